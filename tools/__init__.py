@@ -1,0 +1,1 @@
+"""Developer tools of the TorchRec fork (see CONTRIBUTING.md)."""
