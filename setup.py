@@ -1,0 +1,71 @@
+"""Build the TorchRec fork: pinned upstream wheel + overlay + patch series.
+
+``pip install .`` runs this file: it fetches the base wheel named in base.json
+(from $TORCHREC_FORK_BASE_WHEEL, ~/.cache/torchrec-fork/ or pip), verifies its
+sha256, extracts it into build/fork-src/, applies patches/series in order,
+copies the files under torchrec/ and packages the result as ``torchrec`` with
+the version in version.txt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+from setuptools import find_packages, setup
+
+HERE: Path = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from tools import forklib  # noqa: E402
+
+SRC: Path = HERE / "build" / "fork-src"
+
+
+def package_data(src: Path, packages: List[str]) -> Dict[str, List[str]]:
+    """Non-Python files shipped inside each package (as upstream ships them)."""
+    data: Dict[str, List[str]] = {}
+    for package in packages:
+        pkg_dir = src.joinpath(*package.split("."))
+        files = [
+            path.name
+            for path in pkg_dir.iterdir()
+            if path.is_file() and path.suffix not in (".py", ".pyc")
+        ]
+        if files:
+            data[package] = sorted(files)
+    return data
+
+
+def main() -> None:
+    """Materialise the fork and hand it to setuptools."""
+    try:
+        forklib.build_source_tree(SRC, HERE)
+        version = forklib.fork_version(HERE)
+    except forklib.ForkError as exc:
+        sys.exit(f"torchrec fork build failed: {exc}")
+    packages = find_packages(str(SRC), include=["torchrec", "torchrec.*"])
+    setup(
+        name="torchrec",
+        version=version,
+        description="TorchRec 1.1.0 with live resharding of sharded embeddings",
+        long_description=(HERE / "README.md").read_text(),
+        long_description_content_type="text/markdown",
+        license="BSD-3-Clause",
+        python_requires=">=3.11",
+        package_dir={"": str(SRC.relative_to(HERE))},
+        packages=packages,
+        package_data=package_data(SRC, packages),
+        # torch and fbgemm come from the extras (or are installed beforehand), so
+        # that a CPU machine never pulls a CUDA build.
+        install_requires=["torchmetrics==1.0.3", "tqdm", "pyre-extensions", "iopath"],
+        extras_require={
+            "cpu": ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0"],
+            "cuda": ["torch==2.13.0", "fbgemm-gpu==1.8.0"],
+            "test": ["pytest", "hypothesis", "numpy"],
+        },
+    )
+
+
+main()
