@@ -45,12 +45,13 @@ def main() -> None:
         version = forklib.fork_version(HERE)
     except forklib.ForkError as exc:
         sys.exit(f"torchrec fork build failed: {exc}")
+    readme = HERE / "README.md"
     packages = find_packages(str(SRC), include=["torchrec", "torchrec.*"])
     setup(
         name="torchrec",
         version=version,
         description="TorchRec 1.1.0 with live resharding of sharded embeddings",
-        long_description=(HERE / "README.md").read_text(),
+        long_description=readme.read_text() if readme.exists() else "",
         long_description_content_type="text/markdown",
         license="BSD-3-Clause",
         python_requires=">=3.11",
