@@ -1,0 +1,51 @@
+"""Fixtures of the fork-level tests (series integrity, packaging, tooling)."""
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+REPO: Path = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from tools import forklib  # noqa: E402
+
+#: What a build of the fork reads from the repository.
+BUILD_INPUTS = (
+    "setup.py",
+    "pyproject.toml",
+    "base.json",
+    "version.txt",
+    "README.md",
+    "tools",
+    "patches",
+    "torchrec",
+)
+
+
+def copy_repo(dest: Path) -> Path:
+    """Copy the build inputs of this checkout into ``dest``."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in BUILD_INPUTS:
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=ignore)
+        elif src.exists():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
+@pytest.fixture
+def repo_copy(tmp_path: Path) -> Iterator[Path]:
+    """A throw-away copy of the repository's build inputs."""
+    yield copy_repo(tmp_path / "repo")
+
+
+@pytest.fixture(scope="session")
+def base_wheel() -> Path:
+    """The verified upstream wheel (fetched or from the cache)."""
+    return forklib.fetch_base_wheel(REPO)

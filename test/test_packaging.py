@@ -1,0 +1,113 @@
+"""The installed fork and the base pin."""
+
+import importlib
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from tools import forklib
+
+
+def test_version_names_the_base() -> None:
+    base = forklib.load_base(REPO)
+    version = forklib.fork_version(REPO)
+    assert version.startswith(f"{base.version}+")
+    assert base.wheel.startswith(f"{base.name}-{base.version}-")
+
+
+def test_installed_torchrec_is_the_fork() -> None:
+    assert importlib.metadata.version("torchrec") == forklib.fork_version(REPO)
+    import torchrec
+
+    location = Path(torchrec.__file__).resolve()
+    assert (
+        REPO not in location.parents
+    ), f"tests must use the installed fork: {location}"
+
+
+def test_installed_fork_imports_every_added_module() -> None:
+    modules = forklib.overlay_modules(REPO)
+    assert modules, "the overlay adds no module"
+    for name in modules:
+        module = importlib.import_module(name)
+        rel = Path(*name.split("."))
+        src = REPO / (
+            rel / "__init__.py" if (REPO / rel).is_dir() else rel.with_suffix(".py")
+        )
+        installed = Path(module.__file__)
+        assert (
+            installed.read_bytes() == src.read_bytes()
+        ), f"{name}: the installed module differs from {src}; rebuild the fork"
+
+
+def test_installed_fork_carries_the_patches() -> None:
+    import torchrec
+
+    root = Path(torchrec.__file__).resolve().parent.parent
+    for name in forklib.read_series(REPO):
+        patch = forklib.parse_patch(REPO / "patches" / name)
+        current = None
+        for line in patch.diff.splitlines():
+            if line.startswith("+++ b/"):
+                current = root / line[len("+++ b/") :]
+            elif (
+                line.startswith("+") and not line.startswith("+++") and line[1:].strip()
+            ):
+                assert current is not None
+                assert line[1:] in current.read_text(), f"{name}: {line!r} missing"
+
+
+def test_metadata_pulls_no_torch_or_fbgemm() -> None:
+    requires = importlib.metadata.requires("torchrec") or []
+    unconditional = [r for r in requires if "extra ==" not in r]
+    for req in unconditional:
+        name = (
+            req.split(";")[0].split("=")[0].split("<")[0].split(">")[0].strip().lower()
+        )
+        assert not name.startswith(("torch", "fbgemm")) or name == "torchmetrics", req
+
+
+def tampered_copy(base_wheel: Path, dest: Path) -> Path:
+    """The base wheel with one extra byte, under its pinned file name."""
+    dest.mkdir(parents=True, exist_ok=True)
+    copy = dest / base_wheel.name
+    shutil.copyfile(base_wheel, copy)
+    with open(copy, "ab") as handle:
+        handle.write(b"\0")
+    return copy
+
+
+def test_tampered_wheel_is_refused(
+    base_wheel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = tampered_copy(base_wheel, tmp_path / "explicit")
+    monkeypatch.setenv(forklib.WHEEL_ENV, str(bad))
+    with pytest.raises(forklib.BaseWheelError, match="sha256"):
+        forklib.fetch_base_wheel(REPO)
+    monkeypatch.delenv(forklib.WHEEL_ENV)
+    tampered_copy(base_wheel, tmp_path / "cache")
+    monkeypatch.setenv(forklib.CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(forklib.BaseWheelError, match="refusing"):
+        forklib.fetch_base_wheel(REPO)
+
+
+def test_build_refuses_tampered_wheel(
+    base_wheel: Path, repo_copy: Path, tmp_path: Path
+) -> None:
+    bad = tampered_copy(base_wheel, tmp_path / "bad")
+    env = dict(os.environ, **{forklib.WHEEL_ENV: str(bad)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(tmp_path / "wheels"), str(repo_copy)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "refusing to build" in output and forklib.load_base(REPO).sha256 in output
