@@ -5,4 +5,5 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
-exec "$VENV/bin/pytest" -p no:cacheprovider test --pyargs torchrec.distributed.tests "$@"
+# test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
+exec "$VENV/bin/pytest" -p no:cacheprovider "$REPO/test" --pyargs torchrec.distributed.tests "$@"
