@@ -1,0 +1,18 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+Live resharding of sharded embedding modules.
+
+* ``plan`` — pure: layouts as rectangles, transfers, validation;
+* ``exchange`` — collectives: agreement and the all-to-all of the pieces;
+* ``install`` — module surgery: build the new groups, fill them, swap them in.
+"""
+
+from torchrec.distributed.resharding.plan import ReshardError  # noqa
+
+__all__ = ["ReshardError"]
