@@ -1,0 +1,708 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+The module-surgery half of live resharding, for ``ShardedEmbeddingBagCollection``.
+
+A reshard of an EBC runs in five steps:
+
+1. **validate** the delta against the module (pure, see ``plan``), and **agree**
+   with every other rank (one small collective) — nothing has moved yet;
+2. **build** the sharding groups whose tables or placements change, detached
+   from the module (lookups allocated once at their final size, not randomly
+   initialised); groups the delta does not touch keep their sharding, lookup and
+   output dist objects;
+3. **plan** the transfers between the old and the new rectangles of every
+   table in the rebuilt groups;
+4. **exchange**: pieces that stay on a rank are copied locally, the others go
+   through ``all_to_all_single`` straight into the new lookups' weights and
+   fused optimizer state;
+5. **swap** the new groups into the module and rebuild what depends on them
+   (output dists and permutation, input dists on the next forward, the
+   combined fused optimizer, the state-dict views).
+
+Until step 5 the module is untouched, so a failure anywhere before it leaves
+the module exactly as it was.
+"""
+
+import contextlib
+import copy
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbeddingBag,
+    BatchedFusedEmbeddingBag,
+)
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.resharding.exchange import (
+    agree,
+    exchange_pieces,
+    Field,
+    field_kind,
+    RECT,
+    ROWS,
+)
+from torchrec.distributed.resharding.plan import (
+    delta_digest,
+    describe_parameter_sharding,
+    layout_from_parameter_sharding,
+    MOVABLE_COMPUTE_KERNELS,
+    MOVABLE_SHARDING_TYPES,
+    plan_transfers,
+    Rect,
+    ReshardError,
+    ReshardPlan,
+    TableLayout,
+    Transfer,
+    validate_parameter_sharding,
+)
+from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
+from torchrec.distributed.utils import (
+    add_params_from_parameter_sharding,
+    convert_to_fbgemm_types,
+)
+from torchrec.optim.keyed import CombinedOptimizer
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+WEIGHT = "weight"
+
+
+@dataclass
+class ReshardReport:
+    """
+    What one rank did in one reshard.
+
+    Args:
+        rank (int): group-local rank.
+        tables_moved (List[str]): tables whose layout changed.
+        tables_rebuilt (List[str]): tables whose lookup was rebuilt (moved
+            tables plus tables sharing a rebuilt group).
+        bytes_sent (int): bytes this rank sent to other ranks.
+        bytes_received (int): bytes this rank received from other ranks.
+        bytes_copied_locally (int): bytes of pieces that stayed on this rank.
+        seconds (float): wall time of the reshard on this rank.
+    """
+
+    rank: int
+    tables_moved: List[str] = field(default_factory=list)
+    tables_rebuilt: List[str] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class LocalSlot:
+    """
+    One local shard of one table and the tensors that follow its rectangle.
+
+    Args:
+        table (str): table name.
+        rect (Rect): the shard, in global coordinates.
+        tensors (Dict[str, torch.Tensor]): "weight" and fused optimizer state,
+            views into the lookup's storage (RECT tensors viewed as 2D).
+    """
+
+    table: str
+    rect: Rect
+    tensors: Dict[str, torch.Tensor]
+
+
+def _unwrap(lookup: nn.Module) -> nn.Module:
+    while isinstance(lookup, DistributedDataParallel):
+        lookup = lookup.module
+    return lookup
+
+
+def _batched_modules(lookup: nn.Module) -> Iterator[BaseBatchedEmbeddingBag]:
+    for module in _unwrap(lookup).modules():
+        if isinstance(module, BaseBatchedEmbeddingBag):
+            yield module
+
+
+def _shard_rect(table_config: Any) -> Rect:
+    metadata = table_config.local_metadata
+    if metadata is None:
+        return Rect(0, 0, table_config.num_embeddings, table_config.embedding_dim)
+    rows, cols = metadata.shard_sizes
+    row, col = metadata.shard_offsets
+    return Rect(row, col, rows, cols)
+
+
+def local_slots(lookups: Sequence[nn.Module]) -> Dict[Tuple[str, Rect], LocalSlot]:
+    """
+    Args:
+        lookups (Sequence[nn.Module]): lookups of a sharded EBC.
+
+    Returns:
+        Dict[Tuple[str, Rect], LocalSlot]: every local shard, keyed by table and
+        rectangle.
+    """
+    slots: Dict[Tuple[str, Rect], LocalSlot] = {}
+    for lookup in lookups:
+        for batched in _batched_modules(lookup):
+            tables = batched.config.embedding_tables
+            weights = batched.split_embedding_weights()
+            states: List[Mapping[str, torch.Tensor]] = [{} for _ in tables]
+            if isinstance(batched, BatchedFusedEmbeddingBag):
+                # Stateless optimizers (SGD) report no entries at all.
+                for i, state in enumerate(batched.emb_module.get_optimizer_state()):
+                    states[i] = state or {}
+            for table, weight, state in zip(tables, weights, states):
+                rect = _shard_rect(table)
+                tensors: Dict[str, torch.Tensor] = {WEIGHT: weight.detach()}
+                for key, value in state.items():
+                    if field_kind(value, rect.rows, rect.cols) == RECT:
+                        value = value.view(rect.rows, rect.cols)
+                    tensors[key] = value
+                slots[(table.name, rect)] = LocalSlot(table.name, rect, tensors)
+    return slots
+
+
+def _fields_of(slot: LocalSlot) -> List[Tuple[str, str, str]]:
+    return [
+        (name, field_kind(t, slot.rect.rows, slot.rect.cols), str(t.dtype))
+        for name, t in slot.tensors.items()
+    ]
+
+
+@dataclass
+class _Facts:
+    """What a rank tells the others before any data moves."""
+
+    fields: Dict[str, List[Tuple[str, str, str]]]
+    learning_rates: Dict[str, float]
+    optimizer_iter: int
+
+
+def _local_facts(lookups: Sequence[nn.Module], tables: Sequence[str]) -> _Facts:
+    wanted = set(tables)
+    fields: Dict[str, List[Tuple[str, str, str]]] = {}
+    for (name, _), slot in local_slots(lookups).items():
+        if name in wanted:
+            fields.setdefault(name, _fields_of(slot))
+    learning_rates: Dict[str, float] = {}
+    optimizer_iter = 0
+    for lookup in lookups:
+        for batched in _batched_modules(lookup):
+            if not isinstance(batched, BatchedFusedEmbeddingBag):
+                continue
+            lr = batched.emb_module.get_learning_rate()
+            for table in batched.config.embedding_tables:
+                learning_rates[table.name] = lr
+            it = getattr(batched.emb_module, "iter", None)
+            if isinstance(it, torch.Tensor):
+                optimizer_iter = max(optimizer_iter, int(it.item()))
+    return _Facts(fields, learning_rates, optimizer_iter)
+
+
+def _merge_facts(all_facts: Sequence[_Facts]) -> _Facts:
+    merged = _Facts({}, {}, 0)
+    for facts in all_facts:
+        for table, table_fields in facts.fields.items():
+            merged.fields.setdefault(table, table_fields)
+        for table, lr in facts.learning_rates.items():
+            merged.learning_rates.setdefault(table, lr)
+        merged.optimizer_iter = max(merged.optimizer_iter, facts.optimizer_iter)
+    return merged
+
+
+def _to_fields(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
+    return [
+        Field(name, kind, getattr(torch, dtype.replace("torch.", "")))
+        for name, kind, dtype in described
+    ]
+
+
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    # New lookups are overwritten from the exchanged pieces right away, so the
+    # random initialisation their constructors run would be wasted work.
+    original = BaseBatchedEmbeddingBag.init_parameters
+    BaseBatchedEmbeddingBag.init_parameters = lambda self: None  # pyre-ignore[8]
+    try:
+        yield
+    finally:
+        BaseBatchedEmbeddingBag.init_parameters = original  # pyre-ignore[8]
+
+
+def _table_shape(module: nn.Module, table: str) -> Tuple[int, int]:
+    config = module._table_name_to_config[table]
+    return config.num_embeddings, config.embedding_dim
+
+
+def _device_type(module: nn.Module, device: Optional[torch.device]) -> str:
+    device = device or module._device
+    return device.type if device is not None else "cpu"
+
+
+def validate_delta(
+    module: nn.Module,
+    changed_sharding_params: Mapping[str, ParameterSharding],
+    env: ShardingEnv,
+    device: Optional[torch.device],
+) -> Dict[str, TableLayout]:
+    """
+    Checks a delta against a sharded EBC without touching it.
+
+    Args:
+        module (ShardedEmbeddingBagCollection): the module.
+        changed_sharding_params (Mapping[str, ParameterSharding]): the delta.
+        env (ShardingEnv): the module's sharding environment.
+        device (Optional[torch.device]): the module's device.
+
+    Returns:
+        Dict[str, TableLayout]: the new layout of every table in the delta.
+
+    Raises:
+        ReshardError: naming the table and the reason.
+    """
+    if not isinstance(changed_sharding_params, Mapping):
+        raise ReshardError(
+            "changed_sharding_params must map table names to ParameterSharding, "
+            f"got {type(changed_sharding_params).__name__}"
+        )
+    if type(env).__name__ == "ShardingEnv2D":
+        raise ReshardError("resharding under ShardingEnv2D is not supported yet")
+    world_size = dist.get_world_size(env.process_group)
+    layouts: Dict[str, TableLayout] = {}
+    for table, ps in changed_sharding_params.items():
+        if table not in module._table_name_to_config:
+            raise ReshardError(
+                f"table '{table}' is not in this module (tables: "
+                f"{', '.join(module._table_names)})"
+            )
+        old = module.module_sharding_plan[table]
+        if old.sharding_type not in MOVABLE_SHARDING_TYPES:
+            raise ReshardError(
+                f"table '{table}': its current sharding type '{old.sharding_type}' "
+                "cannot be resharded"
+            )
+        if old.compute_kernel not in MOVABLE_COMPUTE_KERNELS:
+            raise ReshardError(
+                f"table '{table}': its current compute kernel "
+                f"'{old.compute_kernel}' cannot be resharded"
+            )
+        rows, cols = _table_shape(module, table)
+        layouts[table] = validate_parameter_sharding(
+            table, ps, rows, cols, world_size, _device_type(module, device)
+        )
+    return layouts
+
+
+def _new_plan(
+    module: nn.Module, changed_sharding_params: Mapping[str, ParameterSharding]
+) -> Dict[str, ParameterSharding]:
+    plan = dict(module.module_sharding_plan)
+    plan.update(changed_sharding_params)
+    return plan
+
+
+def _infos_for_plan(
+    module: nn.Module, new_plan: Mapping[str, ParameterSharding]
+) -> "OrderedDict[str, List[EmbeddingShardingInfo]]":
+    # Same grouping and order as ShardedEmbeddingBagCollection.__init__: sharding
+    # types in order of their first table, tables in config order.
+    old_infos = {
+        info.embedding_config.name: info
+        for infos in module.sharding_type_to_sharding_infos.values()
+        for info in infos
+    }
+    grouped: "OrderedDict[str, List[EmbeddingShardingInfo]]" = OrderedDict()
+    for config in module._embedding_bag_configs:
+        old = old_infos[config.name]
+        ps = new_plan[config.name]
+        if ps is old.param_sharding:
+            info = old
+        else:
+            fused_params = convert_to_fbgemm_types(
+                add_params_from_parameter_sharding(copy.copy(old.fused_params), ps)
+            )
+            info = EmbeddingShardingInfo(
+                embedding_config=copy.deepcopy(old.embedding_config),
+                param_sharding=ps,
+                param=old.param,
+                fused_params=fused_params,
+            )
+        grouped.setdefault(ps.sharding_type, []).append(info)
+    return grouped
+
+
+def _group_signature(infos: Sequence[EmbeddingShardingInfo]) -> List[Tuple[str, str]]:
+    return [
+        (info.embedding_config.name, describe_parameter_sharding(info.param_sharding))
+        for info in infos
+    ]
+
+
+@dataclass
+class _Groups:
+    """The sharding groups of the module after the reshard (not yet installed)."""
+
+    infos: "OrderedDict[str, List[EmbeddingShardingInfo]]"
+    shardings: List[Any]
+    lookups: List[nn.Module]
+    kept_output_dists: List[Optional[nn.Module]]
+    rebuilt_types: List[str]
+    new_lookups: List[nn.Module]
+
+
+def _changed_types(
+    module: nn.Module, new_infos: Mapping[str, Sequence[EmbeddingShardingInfo]]
+) -> List[str]:
+    old = {
+        t: _group_signature(infos)
+        for t, infos in module.sharding_type_to_sharding_infos.items()
+    }
+    return [
+        t for t, infos in new_infos.items() if old.get(t) != _group_signature(infos)
+    ]
+
+
+def _wrap_data_parallel(
+    lookup: nn.Module, env: ShardingEnv, device: Optional[torch.device]
+) -> nn.Module:
+    return DistributedDataParallel(
+        module=lookup,
+        device_ids=(
+            [device] if device is not None and device.type in {"cuda", "mtia"} else None
+        ),
+        process_group=env.process_group,
+        gradient_as_bucket_view=True,
+        broadcast_buffers=True,
+        static_graph=True,
+    )
+
+
+def _build_groups(
+    module: nn.Module,
+    new_infos: "OrderedDict[str, List[EmbeddingShardingInfo]]",
+    changed_types: Sequence[str],
+    env: ShardingEnv,
+    device: Optional[torch.device],
+) -> _Groups:
+    from torchrec.distributed.embeddingbag import create_embedding_bag_sharding
+
+    old_index = {t: i for i, t in enumerate(module._sharding_types)}
+    groups = _Groups(new_infos, [], [], [], list(changed_types), [])
+    for sharding_type, infos in new_infos.items():
+        if sharding_type not in changed_types:
+            i = old_index[sharding_type]
+            groups.shardings.append(module._embedding_shardings[i])
+            groups.lookups.append(module._lookups[i])
+            groups.kept_output_dists.append(module._output_dists[i])
+            continue
+        sharding = create_embedding_bag_sharding(
+            infos,
+            env,
+            device,
+            permute_embeddings=True,
+            qcomm_codecs_registry=module.qcomm_codecs_registry,
+        )
+        with _no_random_init():
+            lookup = sharding.create_lookup()
+        if isinstance(sharding, DpPooledEmbeddingSharding):
+            lookup = _wrap_data_parallel(lookup, env, device)
+        groups.shardings.append(sharding)
+        groups.lookups.append(lookup)
+        groups.kept_output_dists.append(None)
+        groups.new_lookups.append(lookup)
+    return groups
+
+
+def _read_piece(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
+    tensor = slot.tensors[f.name]
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == RECT:
+        return tensor[local.row : local.row + local.rows, local.col : local.col + local.cols]
+    if f.kind == ROWS:
+        return tensor[local.row : local.row + local.rows]
+    return tensor.reshape(1)
+
+
+class _RowwiseMerges:
+    """
+    Row-wise state of new shards assembled from narrower column pieces.
+
+    Each row-wise value is a mean over its shard's columns, so a shard joined
+    from column pieces gets the column-width-weighted mean of the pieces'
+    values. It is accumulated exactly in float64 and rounded once at the end.
+    """
+
+    def __init__(self) -> None:
+        self._sums: Dict[Tuple[str, Rect, str], torch.Tensor] = {}
+        self._targets: Dict[Tuple[str, Rect, str], Tuple[torch.Tensor, int]] = {}
+
+    def add(
+        self, slot: LocalSlot, name: str, local: Rect, data: torch.Tensor
+    ) -> None:
+        key = (slot.table, slot.rect, name)
+        if key not in self._sums:
+            target = slot.tensors[name]
+            self._sums[key] = torch.zeros(
+                target.numel(), dtype=torch.float64, device=target.device
+            )
+            self._targets[key] = (target, slot.rect.cols)
+        rows = self._sums[key][local.row : local.row + local.rows]
+        rows.add_(data.view(-1).to(torch.float64) * local.cols)
+
+    def finish(self) -> None:
+        for key, total in self._sums.items():
+            target, cols = self._targets[key]
+            target.copy_((total / cols).to(target.dtype))
+        self._sums.clear()
+        self._targets.clear()
+
+
+def _write_piece(
+    slot: LocalSlot,
+    transfer: Transfer,
+    f: Field,
+    data: torch.Tensor,
+    merges: _RowwiseMerges,
+) -> None:
+    tensor = slot.tensors.get(f.name)
+    if tensor is None:
+        return  # the new kernel keeps no such state (e.g. fused -> dense)
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == RECT:
+        target = tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
+        target.copy_(data.view(local.rows, local.cols))
+    elif f.kind == ROWS:
+        if local.cols == slot.rect.cols:
+            tensor[local.row : local.row + local.rows].copy_(data.view(-1))
+        else:
+            merges.add(slot, f.name, local, data)
+    else:
+        tensor.view(-1).copy_(data.view(-1))
+
+
+def _old_layouts(
+    module: nn.Module, tables: Sequence[str], world_size: int
+) -> Dict[str, TableLayout]:
+    return {
+        t: layout_from_parameter_sharding(
+            module.module_sharding_plan[t], *_table_shape(module, t), world_size
+        )
+        for t in tables
+    }
+
+
+def _apply_optimizer_facts(new_lookups: Sequence[nn.Module], facts: _Facts) -> None:
+    for lookup in new_lookups:
+        for batched in _batched_modules(lookup):
+            if not isinstance(batched, BatchedFusedEmbeddingBag):
+                continue
+            names = [t.name for t in batched.config.embedding_tables]
+            lrs = [facts.learning_rates[n] for n in names if n in facts.learning_rates]
+            if lrs:
+                batched.emb_module.set_learning_rate(lrs[0])
+                batched.fused_optimizer.param_groups[0]["lr"] = lrs[0]
+            it = getattr(batched.emb_module, "iter", None)
+            if isinstance(it, torch.Tensor):
+                it.fill_(facts.optimizer_iter)
+
+
+def _rebuild_fused_optimizer(
+    module: nn.Module, new_lookups: Sequence[nn.Module]
+) -> None:
+    from torchrec.optim.fused import FusedOptimizerModule
+
+    fresh = {id(lookup) for lookup in new_lookups}
+    optims = []
+    for lookup in module._lookups:
+        for _, tbe_module in _unwrap(lookup).named_modules():
+            if not isinstance(tbe_module, FusedOptimizerModule):
+                continue
+            if id(lookup) in fresh:
+                tbe_module.fused_optimizer.params = {
+                    "embedding_bags." + key: weight
+                    for key, weight in tbe_module.fused_optimizer.params.items()
+                }
+            optims.append(("", tbe_module.fused_optimizer))
+    module._optim = CombinedOptimizer(optims)
+
+
+def _install(
+    module: nn.Module,
+    groups: _Groups,
+    changed_sharding_params: Mapping[str, ParameterSharding],
+) -> None:
+    module._sharding_types = list(groups.infos.keys())
+    module.sharding_type_to_sharding_infos = groups.infos
+    module._embedding_shardings = groups.shardings
+    module._lookups = groups.lookups
+    for table, ps in changed_sharding_params.items():
+        module.module_sharding_plan[table] = ps
+
+    module._output_dists = groups.kept_output_dists
+    module._update_output_dist()
+
+    # Input dists and feature permutation are rebuilt on the next forward.
+    module._input_dists = []
+    module._feature_splits = []
+    module._features_order = []
+    module._has_uninitialized_input_dist = True
+    module._has_features_permute = True
+    module._inverse_indices_permute_indices = None
+    module._kjt_key_indices = {}
+    module._kjt_inverse_order = None
+    module._kt_key_ordering = None
+    rs_features: Dict[str, List[str]] = {}
+    for config in module._embedding_bag_configs:
+        if module.module_sharding_plan[config.name].sharding_type in (
+            ShardingType.TABLE_ROW_WISE.value,
+            ShardingType.ROW_WISE.value,
+        ):
+            rs_features.setdefault(config.pooling.value, []).extend(config.feature_names)
+    module._pooling_type_to_rs_features = rs_features
+    module._has_mean_pooling_callback = "MEAN" in rs_features
+
+    _rebuild_fused_optimizer(module, groups.new_lookups)
+    module._initialize_torch_state(skip_registering=True)
+
+
+def _tables_of(infos: Mapping[str, Sequence[EmbeddingShardingInfo]], types: Sequence[str]) -> List[str]:
+    return [i.embedding_config.name for t in types for i in infos.get(t, [])]
+
+
+def reshard_embedding_bag_collection(
+    module: nn.Module,
+    changed_sharding_params: Mapping[str, ParameterSharding],
+    env: ShardingEnv,
+    device: Optional[torch.device] = None,
+    max_inflight_bytes: Optional[int] = None,
+) -> ReshardReport:
+    """
+    Reshards a ``ShardedEmbeddingBagCollection`` in place.
+
+    Args:
+        module (ShardedEmbeddingBagCollection): the module.
+        changed_sharding_params (Mapping[str, ParameterSharding]): the new
+            ParameterSharding of each table that changes; the same on every rank.
+        env (ShardingEnv): the module's sharding environment.
+        device (Optional[torch.device]): the module's device (default: its own).
+        max_inflight_bytes (Optional[int]): cap on the exchange buffers per rank;
+            the exchange runs in as many rounds as the cap needs.
+
+    Returns:
+        ReshardReport: what this rank did.
+
+    Raises:
+        ReshardError: on every rank, before any data moves, for a bad request.
+    """
+    start = time.perf_counter()
+    pg = env.process_group
+    assert pg is not None, "resharding needs the module's process group"
+    rank = dist.get_rank(pg)
+    world_size = dist.get_world_size(pg)
+    device = device or module._device
+    report = ReshardReport(rank)
+
+    error: Optional[str] = None
+    new_layouts: Dict[str, TableLayout] = {}
+    planned_tables: List[str] = []
+    new_infos: "OrderedDict[str, List[EmbeddingShardingInfo]]" = OrderedDict()
+    changed_types: List[str] = []
+    try:
+        new_layouts = validate_delta(module, changed_sharding_params, env, device)
+        new_infos = _infos_for_plan(module, _new_plan(module, changed_sharding_params))
+        changed_types = _changed_types(module, new_infos)
+        planned_tables = [
+            c.name
+            for c in module._embedding_bag_configs
+            if c.name in set(_tables_of(new_infos, changed_types))
+            or c.name in changed_sharding_params
+        ]
+        for t in planned_tables:
+            kernel = module.module_sharding_plan[t].compute_kernel
+            if kernel not in MOVABLE_COMPUTE_KERNELS:
+                raise ReshardError(
+                    f"table '{t}': shares a rebuilt group but its compute kernel "
+                    f"'{kernel}' cannot be resharded"
+                )
+    except ReshardError as e:
+        error = str(e)
+    facts = _local_facts(module._lookups, planned_tables) if error is None else None
+    all_facts = agree(pg, delta_digest(changed_sharding_params), error, facts)
+    if not changed_types:
+        report.seconds = time.perf_counter() - start
+        return report
+    merged = _merge_facts(all_facts)
+
+    groups = _build_groups(module, new_infos, changed_types, env, device)
+    new_plan = _new_plan(module, changed_sharding_params)
+    old_layouts = _old_layouts(module, planned_tables, world_size)
+    layouts_after = {
+        t: new_layouts.get(t)
+        or layout_from_parameter_sharding(
+            new_plan[t], *_table_shape(module, t), world_size
+        )
+        for t in planned_tables
+    }
+    plan = plan_transfers(old_layouts, layouts_after, planned_tables)
+    fields = {t: _to_fields(merged.fields.get(t, [])) for t in planned_tables}
+
+    old_slots = local_slots(module._lookups)
+    new_slots = local_slots(groups.new_lookups)
+    merges = _RowwiseMerges()
+    _apply_optimizer_facts(groups.new_lookups, merged)
+    with torch.no_grad():
+        for transfer in plan.local_copies(rank):
+            src = old_slots[(transfer.table, transfer.src_rect)]
+            dst = new_slots[(transfer.table, transfer.dst_rect)]
+            for f in fields[transfer.table]:
+                piece = _read_piece(src, transfer, f)
+                _write_piece(dst, transfer, f, piece, merges)
+                report.bytes_copied_locally += piece.numel() * piece.element_size()
+        report.bytes_sent, report.bytes_received = exchange_pieces(
+            plan,
+            fields,
+            rank,
+            world_size,
+            pg,
+            read_piece=lambda t, f: _read_piece(old_slots[(t.table, t.src_rect)], t, f),
+            write_piece=lambda t, f, data: _write_piece(
+                new_slots[(t.table, t.dst_rect)], t, f, data, merges
+            ),
+            device=device if device is not None else torch.device("cpu"),
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        merges.finish()
+    del old_slots, new_slots
+
+    _install(module, groups, changed_sharding_params)
+    report.tables_moved = [
+        t for t in planned_tables if old_layouts[t] != layouts_after[t]
+    ]
+    report.tables_rebuilt = list(planned_tables)
+    report.seconds = time.perf_counter() - start
+    logger.info(
+        "reshard rank %d: moved %s, rebuilt %d tables, sent %d B, received %d B, "
+        "copied locally %d B in %.3f s",
+        rank,
+        report.tables_moved,
+        len(report.tables_rebuilt),
+        report.bytes_sent,
+        report.bytes_received,
+        report.bytes_copied_locally,
+        report.seconds,
+    )
+    return report
