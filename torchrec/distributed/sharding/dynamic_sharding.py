@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+State-dict level resharding: move the weights of the changed tables of a
+sharded module's state dict to their new placements.
+
+These two functions are the seed API. ``ShardedEmbeddingBagCollection.update_shards``
+runs the same plan and exchange (``torchrec.distributed.resharding``) directly
+on the module's lookups, together with the fused optimizer state.
+"""
+
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    Shard,
+    ShardedTensor,
+    TensorProperties,
+)
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torchrec.distributed.resharding.exchange import exchange_pieces, Field, RECT
+from torchrec.distributed.resharding.plan import (
+    layout_from_parameter_sharding,
+    layout_from_shards_metadata,
+    plan_transfers,
+    Rect,
+    replicated_layout,
+    ReshardError,
+    ReshardPlan,
+    TableLayout,
+    Transfer,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
+
+StateValue = Union[ShardedTensor, torch.Tensor]
+
+
+def _identity(name: str) -> str:
+    return name
+
+
+def _world_size(value: StateValue, default: int) -> int:
+    if isinstance(value, ShardedTensor):
+        return dist.get_world_size(value._process_group)
+    return default
+
+
+def _old_layout(value: StateValue, world_size: int) -> TableLayout:
+    if isinstance(value, ShardedTensor):
+        rows, cols = value.size()
+        return layout_from_shards_metadata(value.metadata().shards_metadata, rows, cols)
+    if isinstance(value, torch.Tensor) and value.dim() == 2:
+        rows, cols = value.shape
+        return replicated_layout(rows, cols, world_size)
+    raise ReshardError(
+        f"cannot reshard a state-dict value of type {type(value).__name__} "
+        "(expected a ShardedTensor or a replicated 2D tensor)"
+    )
+
+
+def _local_tensors(value: StateValue) -> Dict[Rect, torch.Tensor]:
+    if isinstance(value, ShardedTensor):
+        out = {}
+        for shard in value.local_shards():
+            (row, col), (rows, cols) = (
+                shard.metadata.shard_offsets,
+                shard.metadata.shard_sizes,
+            )
+            out[Rect(row, col, rows, cols)] = shard.tensor
+        return out
+    rows, cols = value.shape
+    return {Rect(0, 0, rows, cols): value}
+
+
+def _dtype(value: StateValue) -> torch.dtype:
+    if isinstance(value, ShardedTensor):
+        return value.metadata().tensor_properties.dtype
+    return value.dtype
+
+
+def _weight_plan(
+    state_dict: Mapping[str, StateValue],
+    sharding_params: Mapping[str, ParameterSharding],
+    extend_shard_name: Callable[[str], str],
+    world_size: int,
+) -> ReshardPlan:
+    old: Dict[str, TableLayout] = {}
+    new: Dict[str, TableLayout] = {}
+    for name, ps in sharding_params.items():
+        key = extend_shard_name(name)
+        if key not in state_dict:
+            raise ReshardError(f"table '{name}': '{key}' is not in the state dict")
+        old[name] = _old_layout(state_dict[key], world_size)
+        new[name] = layout_from_parameter_sharding(
+            ps, old[name].rows, old[name].cols, world_size
+        )
+    return plan_transfers(old, new, list(sharding_params))
+
+
+def _slice(tensor: torch.Tensor, rect: Rect) -> torch.Tensor:
+    return tensor[rect.row : rect.row + rect.rows, rect.col : rect.col + rect.cols]
+
+
+def shards_all_to_all(
+    module: torch.nn.Module,
+    state_dict: Dict[str, StateValue],
+    device: torch.device,
+    changed_sharding_params: Dict[str, ParameterSharding],
+    env: ShardingEnv,
+    extend_shard_name: Callable[[str], str] = _identity,
+) -> Tuple[List[str], torch.Tensor]:
+    """
+    Sends the pieces of the changed tables' weights from their current owners to
+    their new owners with one ``all_to_all_single`` per dtype on
+    ``env.process_group``. Pieces that stay on a rank are not sent.
+
+    Args:
+        module (torch.nn.Module): the sharded module (unused by the exchange;
+            kept for API compatibility).
+        state_dict (Dict[str, StateValue]): the module's state dict.
+        device (torch.device): device of the exchange buffers.
+        changed_sharding_params (Dict[str, ParameterSharding]): new sharding of
+            each changed table.
+        env (ShardingEnv): the sharding environment.
+        extend_shard_name (Callable[[str], str]): table name -> state-dict key.
+
+    Returns:
+        Tuple[List[str], torch.Tensor]: the table name of every piece this rank
+        received, by source rank then shard order, and the received data, flat
+        (in the table dtype when all pieces share one, otherwise raw bytes).
+    """
+    pg = env.process_group
+    assert pg is not None
+    rank = dist.get_rank(pg)
+    world_size = dist.get_world_size(pg)
+    plan = _weight_plan(state_dict, changed_sharding_params, extend_shard_name, world_size)
+    fields = {
+        name: [Field("weight", RECT, _dtype(state_dict[extend_shard_name(name)]))]
+        for name in changed_sharding_params
+    }
+    sources = {
+        name: _local_tensors(state_dict[extend_shard_name(name)])
+        for name in changed_sharding_params
+    }
+    received: Dict[Transfer, torch.Tensor] = {}
+
+    def read_piece(t: Transfer, f: Field) -> torch.Tensor:
+        return _slice(sources[t.table][t.src_rect], t.rect.relative_to(t.src_rect))
+
+    def write_piece(t: Transfer, f: Field, data: torch.Tensor) -> None:
+        received[t] = data.clone()
+
+    exchange_pieces(
+        plan, fields, rank, world_size, pg, read_piece, write_piece, device
+    )
+    order = plan.receives(rank)
+    names = [t.table for t in order]
+    pieces = [received[t] for t in order]
+    return names, _concat(pieces, device)
+
+
+def _concat(pieces: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not pieces:
+        return torch.empty(0, device=device)
+    if len({p.dtype for p in pieces}) == 1:
+        return torch.cat([p.view(-1) for p in pieces])
+    return torch.cat([p.view(-1).view(torch.uint8) for p in pieces])
+
+
+def _take(
+    output_tensor: torch.Tensor, offset: int, numel: int, dtype: torch.dtype
+) -> Tuple[torch.Tensor, int]:
+    if output_tensor.dtype == dtype:
+        return output_tensor[offset : offset + numel], offset + numel
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return output_tensor[offset : offset + nbytes].view(dtype), offset + nbytes
+
+
+def update_state_dict_post_resharding(
+    state_dict: Dict[str, StateValue],
+    shard_names_by_src_rank: List[str],
+    output_tensor: torch.Tensor,
+    new_sharding_params: Dict[str, ParameterSharding],
+    curr_rank: int,
+    extend_shard_name: Callable[[str], str] = _identity,
+) -> Dict[str, StateValue]:
+    """
+    Installs the new placements and local shards of the changed tables into
+    ``state_dict``, from the pieces this rank kept and the pieces
+    :func:`shards_all_to_all` delivered.
+
+    Args:
+        state_dict (Dict[str, StateValue]): the state dict passed to
+            :func:`shards_all_to_all` (its old shards are still in it).
+        shard_names_by_src_rank (List[str]): first output of
+            :func:`shards_all_to_all`.
+        output_tensor (torch.Tensor): second output of :func:`shards_all_to_all`.
+        new_sharding_params (Dict[str, ParameterSharding]): the same delta.
+        curr_rank (int): this rank, group-local.
+        extend_shard_name (Callable[[str], str]): table name -> state-dict key.
+
+    Returns:
+        Dict[str, StateValue]: ``state_dict``, with a new ShardedTensor (or a
+        replicated tensor, for data parallel) for every changed table.
+    """
+    any_value = next(
+        (state_dict[extend_shard_name(n)] for n in new_sharding_params), None
+    )
+    if any_value is None:
+        return state_dict
+    world_size = _world_size(any_value, curr_rank + 1)
+    plan = _weight_plan(state_dict, new_sharding_params, extend_shard_name, world_size)
+    receives = plan.receives(curr_rank)
+    if [t.table for t in receives] != list(shard_names_by_src_rank):
+        raise ReshardError(
+            "the received shard names do not match the plan: expected "
+            f"{[t.table for t in receives]}, got {list(shard_names_by_src_rank)}"
+        )
+
+    new_locals: Dict[str, Dict[Rect, torch.Tensor]] = {}
+    for name in new_sharding_params:
+        value = state_dict[extend_shard_name(name)]
+        layout = plan.new_layouts[name]
+        new_locals[name] = {
+            s.rect: torch.empty(
+                s.rect.rows, s.rect.cols, dtype=_dtype(value), device=_device(value)
+            )
+            for s in layout.shards_on(curr_rank)
+        }
+    for t in plan.local_copies(curr_rank):
+        src = _local_tensors(state_dict[extend_shard_name(t.table)])[t.src_rect]
+        _slice(new_locals[t.table][t.dst_rect], t.rect.relative_to(t.dst_rect)).copy_(
+            _slice(src, t.rect.relative_to(t.src_rect))
+        )
+    offset = 0
+    for t in receives:
+        dst = new_locals[t.table][t.dst_rect]
+        data, offset = _take(output_tensor, offset, t.rect.numel, dst.dtype)
+        _slice(dst, t.rect.relative_to(t.dst_rect)).copy_(
+            data.view(t.rect.rows, t.rect.cols)
+        )
+
+    for name, ps in new_sharding_params.items():
+        key = extend_shard_name(name)
+        state_dict[key] = _as_state_value(
+            state_dict[key], ps, plan.new_layouts[name], new_locals[name], curr_rank
+        )
+    return state_dict
+
+
+def _device(value: StateValue) -> torch.device:
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        if shards:
+            return shards[0].tensor.device
+        placement = value.metadata().shards_metadata[0].placement
+        return placement.device() if placement is not None else torch.device("cpu")
+    return value.device
+
+
+def _as_state_value(
+    old: StateValue,
+    ps: ParameterSharding,
+    layout: TableLayout,
+    locals_by_rect: Dict[Rect, torch.Tensor],
+    rank: int,
+) -> StateValue:
+    if layout.replicated:
+        return next(iter(locals_by_rect.values()))
+    spec = ps.sharding_spec
+    assert isinstance(spec, EnumerableShardingSpec)
+    properties = (
+        old.metadata().tensor_properties
+        if isinstance(old, ShardedTensor)
+        else TensorProperties(dtype=old.dtype)
+    )
+    shards = [
+        Shard(locals_by_rect[_rect_of(m)], m)
+        for m in spec.shards
+        if m.placement is not None and m.placement.rank() == rank
+    ]
+    process_group: Optional[dist.ProcessGroup] = (
+        old._process_group if isinstance(old, ShardedTensor) else None
+    )
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local_shards=shards,
+        sharded_tensor_metadata=spec.build_metadata(
+            torch.Size([layout.rows, layout.cols]), properties
+        ),
+        process_group=process_group,
+    )
+
+
+def _rect_of(metadata: ShardMetadata) -> Rect:
+    (row, col), (rows, cols) = metadata.shard_offsets, metadata.shard_sizes
+    return Rect(row, col, rows, cols)
