@@ -1,0 +1,459 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+Test helpers for live resharding: plans from compact specs, a global view of a
+sharded EBC's weights and fused optimizer state (gathered with collectives,
+independent of the resharding code), loading that view into a module sharded
+directly with another plan, and exact comparisons.
+"""
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.distributed._tensor import DTensor
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    grid_shard,
+    placement,
+    row_wise,
+    table_row_wise,
+    table_wise,
+)
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# A table's sharding in a test: (sharding type, arguments).
+#   ("table_wise", rank) ("column_wise", [ranks]) ("row_wise", None)
+#   ("table_row_wise", host) ("grid_shard", [hosts]) ("data_parallel", None)
+#   ("table_column_wise", [ranks]) and ("custom", (type, [(row, col, rows, cols, rank)]))
+TableSpec = Tuple[str, Any]
+
+OPTIMIZERS: Dict[str, EmbOptimType] = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
+
+
+@contextlib.contextmanager
+def process_group(
+    rank: int,
+    world_size: int,
+    port: str,
+    local_size: Optional[int] = None,
+    timeout_s: float = 120.0,
+) -> Iterator[Tuple[dist.ProcessGroup, torch.device]]:
+    """
+    A process group with a timeout, so that no test can hang forever. NCCL
+    when there are enough GPUs, gloo on CPU otherwise.
+
+    Args:
+        rank (int): this rank.
+        world_size (int): number of ranks.
+        port (str): master port.
+        local_size (Optional[int]): ranks per host (for TWRW and grid).
+        timeout_s (float): timeout of every collective.
+
+    Returns:
+        Iterator[Tuple[dist.ProcessGroup, torch.device]]: the group and device.
+    """
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = port
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_size or world_size)
+    os.environ["LOCAL_RANK"] = str(rank % (local_size or world_size))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        yield dist.group.WORLD, device
+    finally:
+        dist.destroy_process_group()
+
+
+def make_ebc(
+    num_tables: int,
+    data_type: DataType = DataType.FP32,
+    dims: Optional[Sequence[int]] = None,
+    rows: Optional[Sequence[int]] = None,
+    seed: int = 0,
+) -> EmbeddingBagCollection:
+    """
+    Args:
+        num_tables (int): number of tables "t0".."tN" with features "f0".."fN".
+        data_type (DataType): FP32, FP16 or BF16.
+        dims (Optional[Sequence[int]]): embedding dims (multiples of 4).
+        rows (Optional[Sequence[int]]): rows per table.
+        seed (int): seed of the weights.
+
+    Returns:
+        EmbeddingBagCollection: on CPU, with deterministic weights.
+    """
+    dims = dims or [16] * num_tables
+    rows = rows or [24 + 3 * i for i in range(num_tables)]
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dims[i],
+            num_embeddings=rows[i],
+            feature_names=[f"f{i}"],
+            data_type=data_type,
+        )
+        for i in range(num_tables)
+    ]
+    torch.manual_seed(seed)
+    return EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+
+
+def _custom_sharding(
+    spec: Tuple[str, Sequence[Tuple[int, int, int, int, int]]],
+    device_type: str,
+    world_size: int,
+) -> ParameterSharding:
+    sharding_type, shards = spec
+    return ParameterSharding(
+        sharding_type=sharding_type,
+        compute_kernel=EmbeddingComputeKernel.DENSE.value,
+        ranks=[s[4] for s in shards],
+        sharding_spec=EnumerableShardingSpec(
+            [
+                ShardMetadata(
+                    shard_offsets=[row, col],
+                    shard_sizes=[rows, cols],
+                    placement=placement(device_type, rank, world_size),
+                )
+                for row, col, rows, cols, rank in shards
+            ]
+        ),
+    )
+
+
+def make_plan(
+    ebc: EmbeddingBagCollection,
+    specs: Mapping[str, TableSpec],
+    world_size: int,
+    local_size: int,
+    kernel: str,
+    device_type: str = "cpu",
+) -> EmbeddingModuleShardingPlan:
+    """
+    Args:
+        ebc (EmbeddingBagCollection): the unsharded module.
+        specs (Mapping[str, TableSpec]): sharding per table.
+        world_size (int): number of ranks.
+        local_size (int): ranks per host.
+        kernel (str): compute kernel of the non data-parallel tables.
+        device_type (str): device type of the placements.
+
+    Returns:
+        EmbeddingModuleShardingPlan: the module plan.
+    """
+    generators = {
+        "table_wise": lambda a: table_wise(rank=a),
+        "column_wise": lambda a: column_wise(ranks=list(a)),
+        "table_column_wise": lambda a: column_wise(ranks=list(a)),
+        "row_wise": lambda a: row_wise(),
+        "table_row_wise": lambda a: table_row_wise(host_index=a),
+        "grid_shard": lambda a: grid_shard(host_indexes=list(a)),
+        "data_parallel": lambda a: data_parallel(),
+    }
+    plan = construct_module_sharding_plan(
+        ebc,
+        {
+            name: generators[kind](arg)
+            for name, (kind, arg) in specs.items()
+            if kind != "custom"
+        },
+        local_size=local_size,
+        world_size=world_size,
+        device_type=device_type,
+    )
+    for name, (kind, arg) in specs.items():
+        if kind == "custom":
+            plan[name] = _custom_sharding(arg, device_type, world_size)
+        elif kind == "table_column_wise":
+            plan[name].sharding_type = ShardingType.TABLE_COLUMN_WISE.value
+    for ps in plan.values():
+        if ps.sharding_type != ShardingType.DATA_PARALLEL.value:
+            ps.compute_kernel = kernel
+    return plan
+
+
+def delta(
+    old: Mapping[str, ParameterSharding], new: Mapping[str, ParameterSharding]
+) -> Dict[str, ParameterSharding]:
+    """The tables whose sharding differs, with their new sharding."""
+    return {name: ps for name, ps in new.items() if old[name] != ps}
+
+
+def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
+    fused: Optional[Dict[str, Any]] = None
+    if optimizer is not None:
+        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
+        if optimizer != "sgd":
+            fused["eps"] = 0.01
+    return EmbeddingBagCollectionSharder(fused_params=fused)
+
+
+def shard(
+    ebc: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    plan: EmbeddingModuleShardingPlan,
+    env: ShardingEnv,
+    device: torch.device,
+) -> ShardedEmbeddingBagCollection:
+    """Shards ``ebc`` and loads its weights (sharding on CPU does not copy them)."""
+    module = sharder.shard(ebc, plan, env, device)
+    module.load_state_dict(ebc.state_dict())
+    return module
+
+
+def make_batches(
+    num_tables: int, rows: Sequence[int], count: int, batch_size: int, seed: int
+) -> List[KeyedJaggedTensor]:
+    """Deterministic sparse batches (the same on every rank)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        lengths = torch.randint(0, 4, (num_tables * batch_size,), generator=generator)
+        values = torch.cat(
+            [
+                torch.randint(
+                    0,
+                    rows[i],
+                    (int(lengths[i * batch_size : (i + 1) * batch_size].sum()),),
+                    generator=generator,
+                )
+                for i in range(num_tables)
+            ]
+        )
+        batches.append(
+            KeyedJaggedTensor.from_lengths_sync(
+                keys=[f"f{i}" for i in range(num_tables)],
+                values=values,
+                lengths=lengths,
+            )
+        )
+    return batches
+
+
+def _local_pieces(value: Any) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
+    if isinstance(value, ShardedTensor):
+        return [
+            (tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()
+        ]
+    if isinstance(value, DTensor):
+        wrapper = value._local_tensor
+        return [
+            (tuple(offset), tensor)
+            for tensor, offset in zip(
+                wrapper.local_shards(), wrapper.local_offsets()
+            )
+        ]
+    return []
+
+
+def global_weights(
+    module: ShardedEmbeddingBagCollection, pg: dist.ProcessGroup
+) -> Dict[str, torch.Tensor]:
+    """
+    Every table's full weight, assembled from every rank's local shards with an
+    all-reduce (each element has one owner; data-parallel tables are local).
+
+    Args:
+        module (ShardedEmbeddingBagCollection): the module.
+        pg (dist.ProcessGroup): its process group.
+
+    Returns:
+        Dict[str, torch.Tensor]: state-dict key -> full tensor, in the table dtype.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, (ShardedTensor, DTensor)):
+            full = torch.zeros(value.size(), dtype=torch.float64)
+            for (row, col), tensor in _local_pieces(value):
+                full[row : row + tensor.shape[0], col : col + tensor.shape[1]] = (
+                    tensor.to("cpu", torch.float64)
+                )
+            dist.all_reduce(full, group=pg)
+            dtype = (
+                value.metadata().tensor_properties.dtype
+                if isinstance(value, ShardedTensor)
+                else value.dtype
+            )
+            out[key] = full.to(dtype)
+        else:
+            out[key] = value.detach().to("cpu").clone()
+    return out
+
+
+def _optimizer_shard_pairs(
+    module: ShardedEmbeddingBagCollection,
+) -> Iterator[Tuple[str, str, Tuple[int, int, int, int], torch.Tensor]]:
+    """(param key, state key, weight rect, local state tensor) of every local shard."""
+    optimizer = module.fused_optimizer
+    state = optimizer.state_dict()["state"]
+    for key, weight in optimizer.params.items():
+        if not isinstance(weight, ShardedTensor) or key not in state:
+            continue
+        rects = [
+            (*s.metadata.shard_offsets, *s.metadata.shard_sizes)
+            for s in weight.local_shards()
+        ]
+        for state_key, value in state[key].items():
+            if not isinstance(value, ShardedTensor):
+                continue
+            for rect, shard in zip(rects, value.local_shards()):
+                yield key, state_key, rect, shard.tensor
+
+
+def global_optimizer_state(
+    module: ShardedEmbeddingBagCollection,
+    pg: dist.ProcessGroup,
+    shapes: Mapping[str, Tuple[int, int]],
+) -> Dict[Tuple[str, str], torch.Tensor]:
+    """
+    Fused optimizer state as full (rows, cols) float64 tensors: element-wise
+    state in place, row-wise state expanded over its shard's columns.
+
+    Args:
+        module (ShardedEmbeddingBagCollection): the module.
+        pg (dist.ProcessGroup): its process group.
+        shapes (Mapping[str, Tuple[int, int]]): param key -> table shape.
+
+    Returns:
+        Dict[Tuple[str, str], torch.Tensor]: (param key, state key) -> full state.
+    """
+    keys = sorted({(k, s) for k, s, _, _ in _optimizer_shard_pairs(module)})
+    # Ranks without a shard of a table still join its all-reduce.
+    gathered: List[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(gathered, keys, group=pg)
+    all_keys = sorted({k for rank_keys in gathered for k in rank_keys})
+    out = {k: torch.zeros(shapes[k[0]], dtype=torch.float64) for k in all_keys}
+    for key, state_key, (row, col, rows, cols), tensor in _optimizer_shard_pairs(
+        module
+    ):
+        target = out[(key, state_key)][row : row + rows, col : col + cols]
+        if tensor.numel() == rows * cols:
+            target.copy_(tensor.reshape(rows, cols))
+        elif tensor.numel() == rows:
+            target.copy_(tensor.reshape(rows, 1).expand(rows, cols))
+    for key in all_keys:
+        dist.all_reduce(out[key], group=pg)
+    return out
+
+
+def load_global_state(
+    module: ShardedEmbeddingBagCollection,
+    weights: Mapping[str, torch.Tensor],
+    optimizer_state: Mapping[Tuple[str, str], torch.Tensor],
+) -> None:
+    """
+    Loads a global view into a module sharded with any plan. Row-wise state of
+    a shard gets the mean of the expanded state over the shard's columns.
+    """
+    module.load_state_dict(dict(weights))
+    with torch.no_grad():
+        for key, state_key, (row, col, rows, cols), tensor in _optimizer_shard_pairs(
+            module
+        ):
+            full = optimizer_state[(key, state_key)][row : row + rows, col : col + cols]
+            if tensor.numel() == rows * cols:
+                tensor.copy_(full.reshape(tensor.shape).to(tensor.dtype))
+            elif tensor.numel() == rows:
+                tensor.copy_(full.mean(dim=1).reshape(tensor.shape).to(tensor.dtype))
+
+
+def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """
+    Same keys, same shard metadata and placements, same local tensors and
+    dtypes, bit for bit.
+    """
+    assert list(a.keys()) == list(b.keys()), (list(a.keys()), list(b.keys()))
+    for key in a:
+        x, y = a[key], b[key]
+        assert type(x) is type(y), (key, type(x), type(y))
+        if isinstance(x, ShardedTensor):
+            assert x.metadata() == y.metadata(), (key, x.metadata(), y.metadata())
+            xs, ys = x.local_shards(), y.local_shards()
+            assert len(xs) == len(ys), key
+            for s, t in zip(xs, ys):
+                assert s.metadata == t.metadata, (key, s.metadata, t.metadata)
+                assert s.tensor.dtype == t.tensor.dtype, key
+                assert torch.equal(s.tensor, t.tensor), key
+        elif isinstance(x, DTensor):
+            assert x.size() == y.size() and x.placements == y.placements, key
+            px, py = _local_pieces(x), _local_pieces(y)
+            assert [p[0] for p in px] == [p[0] for p in py], key
+            for (_, s), (_, t) in zip(px, py):
+                assert s.dtype == t.dtype and torch.equal(s, t), key
+        elif isinstance(x, Mapping):
+            assert_state_dicts_equal(x, y)
+        elif isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+        else:
+            assert x == y, (key, x, y)
+
+
+def assert_optimizer_states_equal(
+    a: ShardedEmbeddingBagCollection, b: ShardedEmbeddingBagCollection
+) -> None:
+    """The fused optimizer state dicts are equal, bit for bit."""
+    sa = a.fused_optimizer.state_dict()
+    sb = b.fused_optimizer.state_dict()
+    assert_state_dicts_equal(sa["state"], sb["state"])
+    lrs_a = [g["lr"] for g in a.fused_optimizer.param_groups]
+    lrs_b = [g["lr"] for g in b.fused_optimizer.param_groups]
+    assert lrs_a == lrs_b, (lrs_a, lrs_b)
+
+
+def train_step(
+    module: ShardedEmbeddingBagCollection,
+    batch: KeyedJaggedTensor,
+    dense_optimizer: Optional[torch.optim.Optimizer] = None,
+) -> torch.Tensor:
+    """
+    One forward/backward (the fused optimizer steps inside backward).
+
+    Returns:
+        torch.Tensor: the pooled embeddings of the forward.
+    """
+    out = module(batch).wait()
+    values = out.values()
+    (values.float() ** 2).sum().backward()
+    if dense_optimizer is not None:
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+    return values.detach()
