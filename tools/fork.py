@@ -123,6 +123,9 @@ def cmd_develop(args: argparse.Namespace) -> int:
     cmd = [sys.executable, "-m", "pip", "install", "--no-deps"]
     cmd += ["--no-build-isolation", "-e", str(tree)]
     subprocess.run(cmd, check=True)
+    # scripts/_env.sh records what it built in the venv; forget it so that the
+    # scripts reinstall the regular build instead of testing the editable tree.
+    Path(sys.prefix, ".fork-build").unlink(missing_ok=True)
     print(f"torchrec now imports from {tree} (overlay files link to {args.repo})")
     return 0
 
