@@ -416,13 +416,48 @@ def _build_groups(
         )
         with _no_random_init():
             lookup = sharding.create_lookup()
-        if isinstance(sharding, DpPooledEmbeddingSharding):
-            lookup = _wrap_data_parallel(lookup, env, device)
         groups.shardings.append(sharding)
         groups.lookups.append(lookup)
         groups.kept_output_dists.append(None)
         groups.new_lookups.append(lookup)
     return groups
+
+
+def _wrap_new_data_parallel_lookups(
+    groups: _Groups, env: ShardingEnv, device: Optional[torch.device]
+) -> None:
+    # DDP's constructor is a collective: it runs only once every rank agreed.
+    for i, sharding in enumerate(groups.shardings):
+        lookup = groups.lookups[i]
+        if isinstance(sharding, DpPooledEmbeddingSharding) and any(
+            lookup is new for new in groups.new_lookups
+        ):
+            wrapped = _wrap_data_parallel(lookup, env, device)
+            groups.lookups[i] = wrapped
+            groups.new_lookups = [
+                wrapped if new is lookup else new for new in groups.new_lookups
+            ]
+
+
+def _check_built_layouts(
+    groups: _Groups, layouts: Mapping[str, TableLayout], rank: int
+) -> None:
+    """
+    The rebuilt lookups must hold exactly the shards the new plan gives this
+    rank; TorchRec's shardings impose rules of their own (e.g. row-wise puts
+    the i-th shard on rank i), and a plan they cannot honour is refused here.
+    """
+    built: Dict[str, List[Rect]] = {}
+    for table, rect in local_slots(groups.new_lookups):
+        built.setdefault(table, []).append(rect)
+    for table, layout in layouts.items():
+        expected = sorted(s.rect for s in layout.shards_on(rank))
+        if sorted(built.get(table, [])) != expected:
+            raise ReshardError(
+                f"table '{table}': TorchRec's sharding cannot place its shards as "
+                f"requested (rank {rank} would hold {sorted(built.get(table, []))}, "
+                f"the plan says {expected})"
+            )
 
 
 def _read_piece(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
@@ -579,8 +614,24 @@ def _install(
     module._initialize_torch_state(skip_registering=True)
 
 
-def _tables_of(infos: Mapping[str, Sequence[EmbeddingShardingInfo]], types: Sequence[str]) -> List[str]:
-    return [i.embedding_config.name for t in types for i in infos.get(t, [])]
+def _planned_tables(
+    module: nn.Module,
+    new_infos: Mapping[str, Sequence[EmbeddingShardingInfo]],
+    changed_types: Sequence[str],
+) -> List[str]:
+    """Every table of a rebuilt group, in config order; all must be movable."""
+    rebuilt = {
+        info.embedding_config.name for t in changed_types for info in new_infos[t]
+    }
+    tables = [c.name for c in module._embedding_bag_configs if c.name in rebuilt]
+    for table in tables:
+        kernel = module.module_sharding_plan[table].compute_kernel
+        if kernel not in MOVABLE_COMPUTE_KERNELS:
+            raise ReshardError(
+                f"table '{table}': shares a rebuilt group but its compute kernel "
+                f"'{kernel}' cannot be resharded"
+            )
+    return tables
 
 
 def reshard_embedding_bag_collection(
@@ -617,46 +668,39 @@ def reshard_embedding_bag_collection(
     report = ReshardReport(rank)
 
     error: Optional[str] = None
-    new_layouts: Dict[str, TableLayout] = {}
-    planned_tables: List[str] = []
-    new_infos: "OrderedDict[str, List[EmbeddingShardingInfo]]" = OrderedDict()
     changed_types: List[str] = []
+    planned_tables: List[str] = []
+    groups: Optional[_Groups] = None
+    layouts_after: Dict[str, TableLayout] = {}
     try:
         new_layouts = validate_delta(module, changed_sharding_params, env, device)
-        new_infos = _infos_for_plan(module, _new_plan(module, changed_sharding_params))
+        new_plan = _new_plan(module, changed_sharding_params)
+        new_infos = _infos_for_plan(module, new_plan)
         changed_types = _changed_types(module, new_infos)
-        planned_tables = [
-            c.name
-            for c in module._embedding_bag_configs
-            if c.name in set(_tables_of(new_infos, changed_types))
-            or c.name in changed_sharding_params
-        ]
-        for t in planned_tables:
-            kernel = module.module_sharding_plan[t].compute_kernel
-            if kernel not in MOVABLE_COMPUTE_KERNELS:
-                raise ReshardError(
-                    f"table '{t}': shares a rebuilt group but its compute kernel "
-                    f"'{kernel}' cannot be resharded"
-                )
+        planned_tables = _planned_tables(module, new_infos, changed_types)
+        layouts_after = {
+            t: new_layouts.get(t)
+            or layout_from_parameter_sharding(
+                new_plan[t], *_table_shape(module, t), world_size
+            )
+            for t in planned_tables
+        }
+        if changed_types:
+            groups = _build_groups(module, new_infos, changed_types, env, device)
+            _check_built_layouts(groups, layouts_after, rank)
     except ReshardError as e:
         error = str(e)
+    except Exception as e:  # the base refusing a layout, out of memory, ...
+        error = f"building the new sharding failed: {type(e).__name__}: {e}"
     facts = _local_facts(module._lookups, planned_tables) if error is None else None
     all_facts = agree(pg, delta_digest(changed_sharding_params), error, facts)
-    if not changed_types:
+    if groups is None:
         report.seconds = time.perf_counter() - start
         return report
     merged = _merge_facts(all_facts)
+    _wrap_new_data_parallel_lookups(groups, env, device)
 
-    groups = _build_groups(module, new_infos, changed_types, env, device)
-    new_plan = _new_plan(module, changed_sharding_params)
     old_layouts = _old_layouts(module, planned_tables, world_size)
-    layouts_after = {
-        t: new_layouts.get(t)
-        or layout_from_parameter_sharding(
-            new_plan[t], *_table_shape(module, t), world_size
-        )
-        for t in planned_tables
-    }
     plan = plan_transfers(old_layouts, layouts_after, planned_tables)
     fields = {t: _to_fields(merged.fields.get(t, [])) for t in planned_tables}
 
