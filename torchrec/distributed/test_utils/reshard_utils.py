@@ -189,17 +189,20 @@ def make_plan(
         "grid_shard": lambda a: grid_shard(host_indexes=list(a)),
         "data_parallel": lambda a: data_parallel(),
     }
-    plan = construct_module_sharding_plan(
-        ebc,
-        {
-            name: generators[kind](arg)
-            for name, (kind, arg) in specs.items()
-            if kind != "custom"
-        },
-        local_size=local_size,
-        world_size=world_size,
-        device_type=device_type,
-    )
+    generated = {
+        name: generators[kind](arg)
+        for name, (kind, arg) in specs.items()
+        if kind != "custom"
+    }
+    plan = EmbeddingModuleShardingPlan()
+    if generated:
+        plan = construct_module_sharding_plan(
+            ebc,
+            generated,
+            local_size=local_size,
+            world_size=world_size,
+            device_type=device_type,
+        )
     for name, (kind, arg) in specs.items():
         if kind == "custom":
             plan[name] = _custom_sharding(arg, device_type, world_size)
@@ -219,12 +222,19 @@ def delta(
 
 
 def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
-    fused: Optional[Dict[str, Any]] = None
+    """
+    Args:
+        optimizer (Optional[str]): fused optimizer name (see OPTIMIZERS), or None.
+
+    Returns:
+        EmbeddingBagCollectionSharder: the sharder.
+    """
+    fused: Dict[str, Any] = {}
     if optimizer is not None:
         fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
         if optimizer != "sgd":
             fused["eps"] = 0.01
-    return EmbeddingBagCollectionSharder(fused_params=fused)
+    return EmbeddingBagCollectionSharder(fused_params=fused or None)
 
 
 def shard(
@@ -389,6 +399,8 @@ def load_global_state(
         for key, state_key, (row, col, rows, cols), tensor in _optimizer_shard_pairs(
             module
         ):
+            if (key, state_key) not in optimizer_state:
+                continue  # e.g. a data-parallel table becoming fused: fresh state
             full = optimizer_state[(key, state_key)][row : row + rows, col : col + cols]
             if tensor.numel() == rows * cols:
                 tensor.copy_(full.reshape(tensor.shape).to(tensor.dtype))

@@ -87,21 +87,24 @@ def _run_reshard_case(
         batches = make_batches(num_tables, rows, steps_before + 2, 4, seed=1)
 
         m2 = shard(ebc, sharder, module_plans[0], env, device)
+        before = torch.optim.SGD(m2.parameters(), lr=0.05) if kernel == DENSE else None
         for batch in batches[:steps_before]:
-            train_step(m2, batch.to(device))
-        weights = global_weights(m2, pg)
-        opt_state = global_optimizer_state(m2, pg, shapes)
+            train_step(m2, batch.to(device), before)
 
+        # Each step of a chain is checked against the state just before it:
+        # row-wise optimizer state of joined columns is averaged, so a chain
+        # that joins and splits columns again is not expected to round-trip.
         for old, new in zip(module_plans, module_plans[1:]):
+            weights = global_weights(m2, pg)
+            opt_state = global_optimizer_state(m2, pg, shapes)
             result = sharder.reshard(m2, delta(old, new), env, device)
             assert result is m2
 
-        m1 = shard(ebc, sharder, module_plans[-1], env, device)
-        load_global_state(m1, weights, opt_state)
-
-        assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
-        assert_optimizer_states_equal(m1, m2)
-        assert m1.module_sharding_plan == m2.module_sharding_plan
+            m1 = shard(ebc, sharder, new, env, device)
+            load_global_state(m1, weights, opt_state)
+            assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
+            assert_optimizer_states_equal(m1, m2)
+            assert m1.module_sharding_plan == m2.module_sharding_plan
 
         if not run_forward:
             return

@@ -75,10 +75,15 @@ def _overlapping(ps: ParameterSharding) -> ParameterSharding:
 def _bad_deltas(
     plan_a: Dict[str, ParameterSharding],
     plan_b: Dict[str, ParameterSharding],
+    plan_rw_reversed: Dict[str, ParameterSharding],
     rank: int,
 ) -> Dict[str, Dict[str, Any]]:
     """Per case: the delta this rank passes and the words the error must contain."""
     return {
+        "row_wise_shards_not_in_rank_order": {
+            "delta": {"t1": plan_rw_reversed["t1"]},
+            "words": ["t1", "cannot place its shards as requested"],
+        },
         "unknown_table": {
             "delta": {"t0": plan_b["t0"], "no_such_table": plan_b["t1"]},
             "words": ["no_such_table", "not in this module"],
@@ -132,6 +137,11 @@ def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> 
         env = ShardingEnv.from_process_group(pg)
         plan_a = make_plan(ebc, PLAN_A, world_size, world_size, kernel)
         plan_b = make_plan(ebc, PLAN_B, world_size, world_size, kernel)
+        # TorchRec's row-wise sharding puts the i-th shard on rank i.
+        reversed_rw = ("row_wise", [(0, 0, 5, 16, 1), (5, 0, 22, 16, 0)])
+        plan_rw_reversed = make_plan(
+            ebc, {"t1": ("custom", reversed_rw)}, world_size, world_size, kernel
+        )
         batches = make_batches(3, rows, 3, 4, seed=3)
 
         module = shard(ebc, sharder, plan_a, env, device)
@@ -140,7 +150,7 @@ def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> 
             train_step(module, batch)
             train_step(reference, batch)
 
-        for name, case in _bad_deltas(plan_a, plan_b, rank).items():
+        for name, case in _bad_deltas(plan_a, plan_b, plan_rw_reversed, rank).items():
             message = ""
             try:
                 sharder.reshard(module, case["delta"], env, device)
