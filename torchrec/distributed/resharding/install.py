@@ -42,7 +42,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
     BaseBatchedEmbeddingBag,
+    BatchedFusedEmbedding,
     BatchedFusedEmbeddingBag,
 )
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
@@ -129,9 +131,9 @@ def _unwrap(lookup: nn.Module) -> nn.Module:
     return lookup
 
 
-def _batched_modules(lookup: nn.Module) -> Iterator[BaseBatchedEmbeddingBag]:
+def _batched_modules(lookup: nn.Module) -> Iterator[nn.Module]:
     for module in _unwrap(lookup).modules():
-        if isinstance(module, BaseBatchedEmbeddingBag):
+        if isinstance(module, (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)):
             yield module
 
 
@@ -159,7 +161,7 @@ def local_slots(lookups: Sequence[nn.Module]) -> Dict[Tuple[str, Rect], LocalSlo
             tables = batched.config.embedding_tables
             weights = batched.split_embedding_weights()
             states: List[Mapping[str, torch.Tensor]] = [{} for _ in tables]
-            if isinstance(batched, BatchedFusedEmbeddingBag):
+            if isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
                 # Stateless optimizers (SGD) report no entries at all.
                 for i, state in enumerate(batched.emb_module.get_optimizer_state()):
                     states[i] = state or {}
@@ -200,7 +202,7 @@ def _local_facts(lookups: Sequence[nn.Module], tables: Sequence[str]) -> _Facts:
     optimizer_iter = 0
     for lookup in lookups:
         for batched in _batched_modules(lookup):
-            if not isinstance(batched, BatchedFusedEmbeddingBag):
+            if not isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
                 continue
             lr = batched.emb_module.get_learning_rate()
             for table in batched.config.embedding_tables:
@@ -233,12 +235,56 @@ def _to_fields(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
 def _no_random_init() -> Iterator[None]:
     # New lookups are overwritten from the exchanged pieces right away, so the
     # random initialisation their constructors run would be wasted work.
-    original = BaseBatchedEmbeddingBag.init_parameters
-    BaseBatchedEmbeddingBag.init_parameters = lambda self: None  # pyre-ignore[8]
+    classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
+    originals = [cls.init_parameters for cls in classes]
+    for cls in classes:
+        cls.init_parameters = lambda self: None  # pyre-ignore[8]
     try:
         yield
     finally:
-        BaseBatchedEmbeddingBag.init_parameters = original  # pyre-ignore[8]
+        for cls, original in zip(classes, originals):
+            cls.init_parameters = original  # pyre-ignore[8]
+
+
+class ShardedModuleAdapter:
+    """
+    What the generic reshard needs to know about one kind of sharded embedding
+    module; one subclass per module type (EBC here, EC in ``install_ec``).
+
+    Args:
+        module (nn.Module): the sharded module.
+    """
+
+    param_prefix: str = ""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def configs(self) -> Sequence[Any]:
+        """The module's table configs, in module order."""
+        raise NotImplementedError
+
+    def groups(self) -> List[Tuple[str, Any, nn.Module, nn.Module]]:
+        """(sharding type, sharding, lookup, output dist) of every group, in order."""
+        raise NotImplementedError
+
+    def create_sharding(
+        self,
+        infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device],
+    ) -> Any:
+        """A sharding object for one group of tables of one sharding type."""
+        raise NotImplementedError
+
+    def is_data_parallel(self, sharding: Any) -> bool:
+        raise NotImplementedError
+
+    def swap(
+        self, groups: "_Groups", changed_sharding_params: Mapping[str, ParameterSharding]
+    ) -> None:
+        """Installs the new groups and rebuilds what depends on them."""
+        raise NotImplementedError
 
 
 def _table_shape(module: nn.Module, table: str) -> Tuple[int, int]:
@@ -314,17 +360,18 @@ def _new_plan(
 
 
 def _infos_for_plan(
-    module: nn.Module, new_plan: Mapping[str, ParameterSharding]
+    adapter: ShardedModuleAdapter, new_plan: Mapping[str, ParameterSharding]
 ) -> "OrderedDict[str, List[EmbeddingShardingInfo]]":
-    # Same grouping and order as ShardedEmbeddingBagCollection.__init__: sharding
-    # types in order of their first table, tables in config order.
+    # Same grouping and order as the modules' __init__: sharding types in order
+    # of their first table, tables in config order.
+    module = adapter.module
     old_infos = {
         info.embedding_config.name: info
         for infos in module.sharding_type_to_sharding_infos.values()
         for info in infos
     }
     grouped: "OrderedDict[str, List[EmbeddingShardingInfo]]" = OrderedDict()
-    for config in module._embedding_bag_configs:
+    for config in adapter.configs():
         old = old_infos[config.name]
         ps = new_plan[config.name]
         if ps is old.param_sharding:
@@ -390,30 +437,22 @@ def _wrap_data_parallel(
 
 
 def _build_groups(
-    module: nn.Module,
+    adapter: ShardedModuleAdapter,
     new_infos: "OrderedDict[str, List[EmbeddingShardingInfo]]",
     changed_types: Sequence[str],
     env: ShardingEnv,
     device: Optional[torch.device],
 ) -> _Groups:
-    from torchrec.distributed.embeddingbag import create_embedding_bag_sharding
-
-    old_index = {t: i for i, t in enumerate(module._sharding_types)}
+    current = {t: (sharding, lookup, dist_) for t, sharding, lookup, dist_ in adapter.groups()}
     groups = _Groups(new_infos, [], [], [], list(changed_types), [])
     for sharding_type, infos in new_infos.items():
         if sharding_type not in changed_types:
-            i = old_index[sharding_type]
-            groups.shardings.append(module._embedding_shardings[i])
-            groups.lookups.append(module._lookups[i])
-            groups.kept_output_dists.append(module._output_dists[i])
+            sharding, lookup, output_dist = current[sharding_type]
+            groups.shardings.append(sharding)
+            groups.lookups.append(lookup)
+            groups.kept_output_dists.append(output_dist)
             continue
-        sharding = create_embedding_bag_sharding(
-            infos,
-            env,
-            device,
-            permute_embeddings=True,
-            qcomm_codecs_registry=module.qcomm_codecs_registry,
-        )
+        sharding = adapter.create_sharding(infos, env, device)
         with _no_random_init():
             lookup = sharding.create_lookup()
         groups.shardings.append(sharding)
@@ -424,12 +463,15 @@ def _build_groups(
 
 
 def _wrap_new_data_parallel_lookups(
-    groups: _Groups, env: ShardingEnv, device: Optional[torch.device]
+    adapter: ShardedModuleAdapter,
+    groups: _Groups,
+    env: ShardingEnv,
+    device: Optional[torch.device],
 ) -> None:
     # DDP's constructor is a collective: it runs only once every rank agreed.
     for i, sharding in enumerate(groups.shardings):
         lookup = groups.lookups[i]
-        if isinstance(sharding, DpPooledEmbeddingSharding) and any(
+        if adapter.is_data_parallel(sharding) and any(
             lookup is new for new in groups.new_lookups
         ):
             wrapped = _wrap_data_parallel(lookup, env, device)
@@ -543,7 +585,7 @@ def _old_layouts(
 def _apply_optimizer_facts(new_lookups: Sequence[nn.Module], facts: _Facts) -> None:
     for lookup in new_lookups:
         for batched in _batched_modules(lookup):
-            if not isinstance(batched, BatchedFusedEmbeddingBag):
+            if not isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
                 continue
             names = [t.name for t in batched.config.embedding_tables]
             lrs = [facts.learning_rates[n] for n in names if n in facts.learning_rates]
@@ -555,75 +597,127 @@ def _apply_optimizer_facts(new_lookups: Sequence[nn.Module], facts: _Facts) -> N
                 it.fill_(facts.optimizer_iter)
 
 
-def _rebuild_fused_optimizer(
-    module: nn.Module, new_lookups: Sequence[nn.Module]
+def rebuild_fused_optimizer(
+    module: nn.Module, new_lookups: Sequence[nn.Module], param_prefix: str
 ) -> None:
+    """
+    Points the module's CombinedOptimizer at the fused optimizers of its current
+    lookups, in place: a DistributedModelParallel or user-level optimizer that
+    wraps it sees the new state without being rebuilt.
+
+    Args:
+        module (nn.Module): the sharded module (after the swap).
+        new_lookups (Sequence[nn.Module]): the lookups built by the reshard.
+        param_prefix (str): prefix of the module's parameter keys.
+
+    Returns:
+        None
+    """
     from torchrec.optim.fused import FusedOptimizerModule
 
     fresh = {id(lookup) for lookup in new_lookups}
-    optims = []
+    optims: List[Tuple[str, Any]] = []
     for lookup in module._lookups:
         for _, tbe_module in _unwrap(lookup).named_modules():
             if not isinstance(tbe_module, FusedOptimizerModule):
                 continue
             if id(lookup) in fresh:
                 tbe_module.fused_optimizer.params = {
-                    "embedding_bags." + key: weight
+                    param_prefix + key: weight
                     for key, weight in tbe_module.fused_optimizer.params.items()
                 }
             optims.append(("", tbe_module.fused_optimizer))
-    module._optim = CombinedOptimizer(optims)
+    combined = module._optim
+    if isinstance(combined, CombinedOptimizer):
+        combined._optims = optims
+    else:
+        module._optim = CombinedOptimizer(optims)
 
 
-def _install(
-    module: nn.Module,
-    groups: _Groups,
-    changed_sharding_params: Mapping[str, ParameterSharding],
-) -> None:
-    module._sharding_types = list(groups.infos.keys())
-    module.sharding_type_to_sharding_infos = groups.infos
-    module._embedding_shardings = groups.shardings
-    module._lookups = groups.lookups
-    for table, ps in changed_sharding_params.items():
-        module.module_sharding_plan[table] = ps
+class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
+    """Module surgery for ``ShardedEmbeddingBagCollection``."""
 
-    module._output_dists = groups.kept_output_dists
-    module._update_output_dist()
+    param_prefix = "embedding_bags."
 
-    # Input dists and feature permutation are rebuilt on the next forward.
-    module._input_dists = []
-    module._feature_splits = []
-    module._features_order = []
-    module._has_uninitialized_input_dist = True
-    module._has_features_permute = True
-    module._inverse_indices_permute_indices = None
-    module._kjt_key_indices = {}
-    module._kjt_inverse_order = None
-    module._kt_key_ordering = None
-    rs_features: Dict[str, List[str]] = {}
-    for config in module._embedding_bag_configs:
-        if module.module_sharding_plan[config.name].sharding_type in (
-            ShardingType.TABLE_ROW_WISE.value,
-            ShardingType.ROW_WISE.value,
-        ):
-            rs_features.setdefault(config.pooling.value, []).extend(config.feature_names)
-    module._pooling_type_to_rs_features = rs_features
-    module._has_mean_pooling_callback = "MEAN" in rs_features
+    def configs(self) -> Sequence[Any]:
+        return self.module._embedding_bag_configs
 
-    _rebuild_fused_optimizer(module, groups.new_lookups)
-    module._initialize_torch_state(skip_registering=True)
+    def groups(self) -> List[Tuple[str, Any, nn.Module, nn.Module]]:
+        m = self.module
+        return list(
+            zip(m._sharding_types, m._embedding_shardings, m._lookups, m._output_dists)
+        )
+
+    def create_sharding(
+        self,
+        infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device],
+    ) -> Any:
+        from torchrec.distributed.embeddingbag import create_embedding_bag_sharding
+
+        return create_embedding_bag_sharding(
+            infos,
+            env,
+            device,
+            permute_embeddings=True,
+            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
+        )
+
+    def is_data_parallel(self, sharding: Any) -> bool:
+        return isinstance(sharding, DpPooledEmbeddingSharding)
+
+    def swap(
+        self, groups: "_Groups", changed_sharding_params: Mapping[str, ParameterSharding]
+    ) -> None:
+        module = self.module
+        module._sharding_types = list(groups.infos.keys())
+        module.sharding_type_to_sharding_infos = groups.infos
+        module._embedding_shardings = groups.shardings
+        module._lookups = groups.lookups
+        for table, ps in changed_sharding_params.items():
+            module.module_sharding_plan[table] = ps
+
+        module._output_dists = groups.kept_output_dists
+        module._update_output_dist()
+
+        # Input dists and feature permutation are rebuilt on the next forward.
+        module._input_dists = []
+        module._feature_splits = []
+        module._features_order = []
+        module._has_uninitialized_input_dist = True
+        module._has_features_permute = True
+        module._inverse_indices_permute_indices = None
+        module._kjt_key_indices = {}
+        module._kjt_inverse_order = None
+        module._kt_key_ordering = None
+        rs_features: Dict[str, List[str]] = {}
+        for config in module._embedding_bag_configs:
+            if module.module_sharding_plan[config.name].sharding_type in (
+                ShardingType.TABLE_ROW_WISE.value,
+                ShardingType.ROW_WISE.value,
+            ):
+                rs_features.setdefault(config.pooling.value, []).extend(
+                    config.feature_names
+                )
+        module._pooling_type_to_rs_features = rs_features
+        module._has_mean_pooling_callback = "MEAN" in rs_features
+
+        rebuild_fused_optimizer(module, groups.new_lookups, self.param_prefix)
+        module._initialize_torch_state(skip_registering=True)
 
 
 def _planned_tables(
-    module: nn.Module,
+    adapter: ShardedModuleAdapter,
     new_infos: Mapping[str, Sequence[EmbeddingShardingInfo]],
     changed_types: Sequence[str],
 ) -> List[str]:
     """Every table of a rebuilt group, in config order; all must be movable."""
+    module = adapter.module
     rebuilt = {
         info.embedding_config.name for t in changed_types for info in new_infos[t]
     }
-    tables = [c.name for c in module._embedding_bag_configs if c.name in rebuilt]
+    tables = [c.name for c in adapter.configs() if c.name in rebuilt]
     for table in tables:
         kernel = module.module_sharding_plan[table].compute_kernel
         if kernel not in MOVABLE_COMPUTE_KERNELS:
@@ -642,10 +736,40 @@ def reshard_embedding_bag_collection(
     max_inflight_bytes: Optional[int] = None,
 ) -> ReshardReport:
     """
-    Reshards a ``ShardedEmbeddingBagCollection`` in place.
+    Reshards a ``ShardedEmbeddingBagCollection`` in place (see
+    :func:`reshard_sharded_module`).
 
     Args:
         module (ShardedEmbeddingBagCollection): the module.
+        changed_sharding_params (Mapping[str, ParameterSharding]): the delta.
+        env (ShardingEnv): the module's sharding environment.
+        device (Optional[torch.device]): the module's device.
+        max_inflight_bytes (Optional[int]): cap on the exchange buffers per rank.
+
+    Returns:
+        ReshardReport: what this rank did.
+    """
+    return reshard_sharded_module(
+        EmbeddingBagCollectionAdapter(module),
+        changed_sharding_params,
+        env,
+        device,
+        max_inflight_bytes,
+    )
+
+
+def reshard_sharded_module(
+    adapter: ShardedModuleAdapter,
+    changed_sharding_params: Mapping[str, ParameterSharding],
+    env: ShardingEnv,
+    device: Optional[torch.device] = None,
+    max_inflight_bytes: Optional[int] = None,
+) -> ReshardReport:
+    """
+    Reshards a sharded embedding module in place.
+
+    Args:
+        adapter (ShardedModuleAdapter): the module, seen through its adapter.
         changed_sharding_params (Mapping[str, ParameterSharding]): the new
             ParameterSharding of each table that changes; the same on every rank.
         env (ShardingEnv): the module's sharding environment.
@@ -660,6 +784,7 @@ def reshard_embedding_bag_collection(
         ReshardError: on every rank, before any data moves, for a bad request.
     """
     start = time.perf_counter()
+    module = adapter.module
     pg = env.process_group
     assert pg is not None, "resharding needs the module's process group"
     rank = dist.get_rank(pg)
@@ -675,9 +800,9 @@ def reshard_embedding_bag_collection(
     try:
         new_layouts = validate_delta(module, changed_sharding_params, env, device)
         new_plan = _new_plan(module, changed_sharding_params)
-        new_infos = _infos_for_plan(module, new_plan)
+        new_infos = _infos_for_plan(adapter, new_plan)
         changed_types = _changed_types(module, new_infos)
-        planned_tables = _planned_tables(module, new_infos, changed_types)
+        planned_tables = _planned_tables(adapter, new_infos, changed_types)
         layouts_after = {
             t: new_layouts.get(t)
             or layout_from_parameter_sharding(
@@ -686,7 +811,7 @@ def reshard_embedding_bag_collection(
             for t in planned_tables
         }
         if changed_types:
-            groups = _build_groups(module, new_infos, changed_types, env, device)
+            groups = _build_groups(adapter, new_infos, changed_types, env, device)
             _check_built_layouts(groups, layouts_after, rank)
     except ReshardError as e:
         error = str(e)
@@ -698,7 +823,7 @@ def reshard_embedding_bag_collection(
         report.seconds = time.perf_counter() - start
         return report
     merged = _merge_facts(all_facts)
-    _wrap_new_data_parallel_lookups(groups, env, device)
+    _wrap_new_data_parallel_lookups(adapter, groups, env, device)
 
     old_layouts = _old_layouts(module, planned_tables, world_size)
     plan = plan_transfers(old_layouts, layouts_after, planned_tables)
@@ -732,7 +857,7 @@ def reshard_embedding_bag_collection(
         merges.finish()
     del old_slots, new_slots
 
-    _install(module, groups, changed_sharding_params)
+    adapter.swap(groups, changed_sharding_params)
     report.tables_moved = [
         t for t in planned_tables if old_layouts[t] != layouts_after[t]
     ]
