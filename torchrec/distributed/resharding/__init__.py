@@ -13,6 +13,9 @@ Live resharding of sharded embedding modules.
 * ``install`` — module surgery: build the new groups, fill them, swap them in.
 """
 
-from torchrec.distributed.resharding.plan import ReshardError  # noqa
+from torchrec.distributed.resharding.plan import (  # noqa
+    ReshardAbortedError,
+    ReshardError,
+)
 
-__all__ = ["ReshardError"]
+__all__ = ["ReshardAbortedError", "ReshardError"]

@@ -35,7 +35,18 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
@@ -64,6 +75,7 @@ from torchrec.distributed.resharding.plan import (
     MOVABLE_SHARDING_TYPES,
     plan_transfers,
     Rect,
+    ReshardAbortedError,
     ReshardError,
     ReshardPlan,
     TableLayout,
@@ -728,12 +740,109 @@ def _planned_tables(
     return tables
 
 
+# Called with every piece this rank sends; tests use it to inject faults.
+_exchange_fault_hook: Optional[Callable[[Transfer], None]] = None
+
+
+# Dedicated exchange groups, by (id of the module's group, timeout).
+_exchange_groups: Dict[Tuple[int, Optional[timedelta]], dist.ProcessGroup] = {}
+
+
+def _exchange_group(
+    pg: dist.ProcessGroup, timeout: Optional[timedelta]
+) -> dist.ProcessGroup:
+    """
+    The group the shards travel on: a dedicated copy of the module's group, so
+    that a failed exchange never leaves stray messages on the group training
+    uses. Created on first use (a collective over the same ranks) and kept.
+    Only a group that spans the whole job can be copied this way; a subgroup's
+    exchange runs on the subgroup itself.
+
+    Args:
+        pg (dist.ProcessGroup): the module's process group.
+        timeout (Optional[timedelta]): timeout of the exchange's collectives.
+
+    Returns:
+        dist.ProcessGroup: the group to exchange on.
+    """
+    key = (id(pg), timeout)
+    if key in _exchange_groups:
+        return _exchange_groups[key]
+    if dist.get_world_size(pg) != dist.get_world_size():
+        return pg
+    kwargs: Dict[str, Any] = {"backend": dist.get_backend(pg)}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    group = dist.new_group(ranks=list(range(dist.get_world_size())), **kwargs)
+    _exchange_groups[key] = group
+    return group
+
+
+def _abandon_exchange_group(group: dist.ProcessGroup, pg: dist.ProcessGroup) -> None:
+    # Closing the group wakes peers still blocked in it with an error instead
+    # of letting them wait for their timeout; the next reshard makes a new one.
+    for key, cached in list(_exchange_groups.items()):
+        if cached is group:
+            del _exchange_groups[key]
+    if group is pg:
+        return
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group(group)
+
+
+def _fill_new_groups(
+    module: nn.Module,
+    groups: _Groups,
+    plan: ReshardPlan,
+    fields: Mapping[str, Sequence[Field]],
+    rank: int,
+    world_size: int,
+    exchange_group: dist.ProcessGroup,
+    device: Optional[torch.device],
+    max_inflight_bytes: Optional[int],
+    report: ReshardReport,
+) -> None:
+    """Copies the local pieces and receives the remote ones into the new groups."""
+    old_slots = local_slots(module._lookups)
+    new_slots = local_slots(groups.new_lookups)
+    merges = _RowwiseMerges()
+
+    def read_piece(t: Transfer, f: Field) -> torch.Tensor:
+        if _exchange_fault_hook is not None:
+            _exchange_fault_hook(t)
+        return _read_piece(old_slots[(t.table, t.src_rect)], t, f)
+
+    with torch.no_grad():
+        for transfer in plan.local_copies(rank):
+            src = old_slots[(transfer.table, transfer.src_rect)]
+            dst = new_slots[(transfer.table, transfer.dst_rect)]
+            for f in fields[transfer.table]:
+                piece = _read_piece(src, transfer, f)
+                _write_piece(dst, transfer, f, piece, merges)
+                report.bytes_copied_locally += piece.numel() * piece.element_size()
+        report.bytes_sent, report.bytes_received = exchange_pieces(
+            plan,
+            fields,
+            rank,
+            world_size,
+            exchange_group,
+            read_piece=read_piece,
+            write_piece=lambda t, f, data: _write_piece(
+                new_slots[(t.table, t.dst_rect)], t, f, data, merges
+            ),
+            device=device if device is not None else torch.device("cpu"),
+            max_inflight_bytes=max_inflight_bytes,
+        )
+        merges.finish()
+
+
 def reshard_embedding_bag_collection(
     module: nn.Module,
     changed_sharding_params: Mapping[str, ParameterSharding],
     env: ShardingEnv,
     device: Optional[torch.device] = None,
     max_inflight_bytes: Optional[int] = None,
+    exchange_timeout: Optional[timedelta] = None,
 ) -> ReshardReport:
     """
     Reshards a ``ShardedEmbeddingBagCollection`` in place (see
@@ -745,6 +854,8 @@ def reshard_embedding_bag_collection(
         env (ShardingEnv): the module's sharding environment.
         device (Optional[torch.device]): the module's device.
         max_inflight_bytes (Optional[int]): cap on the exchange buffers per rank.
+        exchange_timeout (Optional[timedelta]): timeout of the exchange's
+            collectives (default: the process group's).
 
     Returns:
         ReshardReport: what this rank did.
@@ -755,6 +866,7 @@ def reshard_embedding_bag_collection(
         env,
         device,
         max_inflight_bytes,
+        exchange_timeout,
     )
 
 
@@ -764,6 +876,7 @@ def reshard_sharded_module(
     env: ShardingEnv,
     device: Optional[torch.device] = None,
     max_inflight_bytes: Optional[int] = None,
+    exchange_timeout: Optional[timedelta] = None,
 ) -> ReshardReport:
     """
     Reshards a sharded embedding module in place.
@@ -776,12 +889,17 @@ def reshard_sharded_module(
         device (Optional[torch.device]): the module's device (default: its own).
         max_inflight_bytes (Optional[int]): cap on the exchange buffers per rank;
             the exchange runs in as many rounds as the cap needs.
+        exchange_timeout (Optional[timedelta]): timeout of the exchange's
+            collectives (default: the process group's).
 
     Returns:
         ReshardReport: what this rank did.
 
     Raises:
         ReshardError: on every rank, before any data moves, for a bad request.
+        ReshardAbortedError: on every surviving rank when the exchange fails;
+            the module keeps its old sharding and state (old and new shards of
+            the rebuilt groups coexist until every rank has its new ones).
     """
     start = time.perf_counter()
     module = adapter.module
@@ -829,33 +947,29 @@ def reshard_sharded_module(
     plan = plan_transfers(old_layouts, layouts_after, planned_tables)
     fields = {t: _to_fields(merged.fields.get(t, [])) for t in planned_tables}
 
-    old_slots = local_slots(module._lookups)
-    new_slots = local_slots(groups.new_lookups)
-    merges = _RowwiseMerges()
     _apply_optimizer_facts(groups.new_lookups, merged)
-    with torch.no_grad():
-        for transfer in plan.local_copies(rank):
-            src = old_slots[(transfer.table, transfer.src_rect)]
-            dst = new_slots[(transfer.table, transfer.dst_rect)]
-            for f in fields[transfer.table]:
-                piece = _read_piece(src, transfer, f)
-                _write_piece(dst, transfer, f, piece, merges)
-                report.bytes_copied_locally += piece.numel() * piece.element_size()
-        report.bytes_sent, report.bytes_received = exchange_pieces(
+    exchange_group = _exchange_group(pg, exchange_timeout)
+    try:
+        _fill_new_groups(
+            module,
+            groups,
             plan,
             fields,
             rank,
             world_size,
-            pg,
-            read_piece=lambda t, f: _read_piece(old_slots[(t.table, t.src_rect)], t, f),
-            write_piece=lambda t, f, data: _write_piece(
-                new_slots[(t.table, t.dst_rect)], t, f, data, merges
-            ),
-            device=device if device is not None else torch.device("cpu"),
-            max_inflight_bytes=max_inflight_bytes,
+            exchange_group,
+            device,
+            max_inflight_bytes,
+            report,
         )
-        merges.finish()
-    del old_slots, new_slots
+        # Nobody swaps before everybody filled its new shards.
+        dist.barrier(group=exchange_group)
+    except Exception as e:
+        _abandon_exchange_group(exchange_group, pg)
+        raise ReshardAbortedError(
+            f"rank {rank}: the shard exchange failed ({type(e).__name__}: {e}); "
+            "the module is unchanged and keeps its old sharding"
+        ) from e
 
     adapter.swap(groups, changed_sharding_params)
     report.tables_moved = [

@@ -38,6 +38,14 @@ class ReshardError(ValueError):
     """
 
 
+class ReshardAbortedError(RuntimeError):
+    """
+    Raised on every surviving rank when the exchange itself fails (a peer
+    raising or dying, a timeout). The module is left exactly in its old state:
+    its old shards are only released after every rank holds its new ones.
+    """
+
+
 MOVABLE_SHARDING_TYPES: Tuple[str, ...] = (
     ShardingType.TABLE_WISE.value,
     ShardingType.COLUMN_WISE.value,
