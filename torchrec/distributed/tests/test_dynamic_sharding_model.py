@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+Model-level resharding: a DistributedModelParallel model with several sharded
+modules, trained under plan A, resharded with ``DistributedModelParallel.reshard``
+to plan B and trained on, must be bit-equal (weights, fused optimizer state,
+outputs) to the same state sharded directly with plan B and trained the same
+way. The dry run's byte counts must equal what the exchange really moved.
+"""
+
+import os
+import unittest
+from typing import Any, Dict, List, Optional, Tuple
+
+import hypothesis.strategies as st
+import torch
+import torch.distributed as dist
+from hypothesis import given, HealthCheck, settings, Verbosity
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.resharding.model import dry_run, plan_delta
+from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+from torchrec.distributed.test_utils.reshard_utils import (
+    assert_optimizer_states_equal,
+    assert_state_dicts_equal,
+    global_optimizer_state,
+    global_weights,
+    load_global_state,
+    make_batches,
+    make_ebc,
+    make_plan,
+    make_sharder,
+    process_group,
+    TableSpec,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+MODULES = ("sparse_a", "sparse_b")
+
+
+class _TwoTowerSparse(nn.Module):
+    """Two EBCs whose pooled embeddings are concatenated."""
+
+    def __init__(self, sparse_a: EmbeddingBagCollection, sparse_b: EmbeddingBagCollection) -> None:
+        super().__init__()
+        self.sparse_a = sparse_a
+        self.sparse_b = sparse_b
+
+    def forward(self, features: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> torch.Tensor:
+        return torch.cat(
+            [self.sparse_a(features[0]).values(), self.sparse_b(features[1]).values()],
+            dim=1,
+        )
+
+
+def _model() -> _TwoTowerSparse:
+    return _TwoTowerSparse(make_ebc(3, seed=1), make_ebc(2, seed=2))
+
+
+def _sharding_plan(
+    model: _TwoTowerSparse, specs: Dict[str, Dict[str, TableSpec]], world_size: int
+) -> ShardingPlan:
+    return ShardingPlan(
+        {
+            name: make_plan(getattr(model, name), specs[name], world_size, world_size, "fused")
+            for name in MODULES
+        }
+    )
+
+
+def _shapes(model: _TwoTowerSparse) -> Dict[str, Tuple[int, int]]:
+    return {
+        f"{name}.embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
+        for name in MODULES
+        for c in getattr(model, name).embedding_bag_configs()
+    }
+
+
+def _batches(model: _TwoTowerSparse, count: int) -> List[Tuple[KeyedJaggedTensor, ...]]:
+    per_module = [
+        make_batches(
+            len(getattr(model, name).embedding_bag_configs()),
+            [c.num_embeddings for c in getattr(model, name).embedding_bag_configs()],
+            count,
+            4,
+            seed=7 + i,
+        )
+        for i, name in enumerate(MODULES)
+    ]
+    return list(zip(*per_module))
+
+
+def _step(model: DistributedModelParallel, batch: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
+    out = model(batch)
+    (out ** 2).sum().backward()
+    return out.detach()
+
+
+def _run_model_reshard(
+    rank: int,
+    world_size: int,
+    port: str,
+    plan_specs: List[Dict[str, Dict[str, TableSpec]]],
+    steps_before: int,
+    steps_after: int,
+    optimizer: str,
+) -> None:
+    with process_group(rank, world_size, port) as (pg, device):
+        env = ShardingEnv.from_process_group(pg)
+        sharders = [make_sharder(optimizer)]
+        unsharded = _model()
+        plans = [_sharding_plan(unsharded, specs, world_size) for specs in plan_specs]
+        batches = _batches(unsharded, steps_before + steps_after)
+
+        model = DistributedModelParallel(
+            _model(), env=env, device=device, plan=plans[0], sharders=sharders
+        )
+        model.load_state_dict(unsharded.state_dict())
+        fused_before = model.fused_optimizer
+        for batch in batches[:steps_before]:
+            _step(model, batch)
+
+        for new_plan in plans[1:]:
+            weights = global_weights(model, pg)
+            opt_state = global_optimizer_state(model, pg, _shapes(unsharded))
+            expected = dry_run(model, new_plan)
+            assert expected.deltas == plan_delta(model.plan, new_plan)
+
+            report = model.reshard(new_plan, progress=True)
+
+            moved: List[Any] = [None] * world_size
+            dist.all_gather_object(
+                moved, (report.bytes_sent, report.bytes_received), group=pg
+            )
+            assert [m[0] for m in moved] == [expected.bytes_sent[r] for r in range(world_size)]
+            assert [m[1] for m in moved] == [
+                expected.bytes_received[r] for r in range(world_size)
+            ]
+            assert set(report.modules) == set(expected.deltas)
+            for path, delta in expected.deltas.items():
+                assert model.plan.plan[path] == new_plan.plan[path]
+
+            reference = DistributedModelParallel(
+                _model(), env=env, device=device, plan=new_plan, sharders=sharders
+            )
+            load_global_state(reference, weights, opt_state)
+            assert_state_dicts_equal(reference.state_dict(), model.state_dict())
+            assert_optimizer_states_equal(reference, model)
+
+        # The model's own fused optimizer object follows the moved state.
+        assert model.fused_optimizer is fused_before
+        for batch in batches[steps_before:]:
+            assert torch.equal(_step(model, batch), _step(reference, batch))
+        assert_state_dicts_equal(reference.state_dict(), model.state_dict())
+        assert_optimizer_states_equal(reference, model)
+
+
+PLAN_A = {
+    "sparse_a": {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 1]), "t2": ("row_wise", None)},
+    "sparse_b": {"t0": ("table_wise", 1), "t1": ("data_parallel", None)},
+}
+PLAN_B = {
+    "sparse_a": {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", None)},
+    "sparse_b": {"t0": ("column_wise", [0, 1]), "t1": ("table_wise", 0)},
+}
+
+SIMPLE_TYPES = ["table_wise", "column_wise", "row_wise", "data_parallel"]
+
+
+@st.composite
+def _module_specs(draw: Any, num_tables: int, world_size: int) -> Dict[str, TableSpec]:
+    specs: Dict[str, TableSpec] = {}
+    for i in range(num_tables):
+        kind = draw(st.sampled_from(SIMPLE_TYPES))
+        arg: Any = None
+        if kind == "table_wise":
+            arg = draw(st.integers(0, world_size - 1))
+        elif kind == "column_wise":
+            arg = draw(st.lists(st.integers(0, world_size - 1), min_size=2, max_size=2))
+        specs[f"t{i}"] = (kind, arg)
+    return specs
+
+
+class DynamicShardingModelTest(MultiProcessTestBase):
+    def _run(self, **kwargs: Any) -> None:
+        self._run_multi_process_test(
+            callable=_run_model_reshard,
+            world_size=2,
+            port=os.environ["MASTER_PORT"],
+            **kwargs,
+        )
+
+    def test_dmp_reshard_to_new_plan_and_back(self) -> None:
+        self._run(
+            plan_specs=[PLAN_A, PLAN_B, PLAN_A],
+            steps_before=2,
+            steps_after=2,
+            optimizer="adagrad",
+        )
+
+    # pyre-ignore[56]
+    @settings(
+        verbosity=Verbosity.verbose,
+        max_examples=3,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )
+    @given(
+        a=st.fixed_dictionaries(
+            {"sparse_a": _module_specs(3, 2), "sparse_b": _module_specs(2, 2)}
+        ),
+        b=st.fixed_dictionaries(
+            {"sparse_a": _module_specs(3, 2), "sparse_b": _module_specs(2, 2)}
+        ),
+        steps_before=st.integers(0, 3),
+        steps_after=st.integers(1, 2),
+        optimizer=st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]),
+    )
+    def test_dmp_reshard_random_plans(
+        self,
+        a: Dict[str, Dict[str, TableSpec]],
+        b: Dict[str, Dict[str, TableSpec]],
+        steps_before: int,
+        steps_after: int,
+        optimizer: str,
+    ) -> None:
+        self._run(
+            plan_specs=[a, b],
+            steps_before=steps_before,
+            steps_after=steps_after,
+            optimizer=optimizer,
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()
