@@ -6,4 +6,5 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
 # test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
-exec "$VENV/bin/pytest" -p no:cacheprovider "$REPO/test" --pyargs torchrec.distributed.tests "$@"
+exec "$VENV/bin/pytest" -p no:cacheprovider "$REPO/test" --pyargs \
+    torchrec.distributed.tests torchrec.distributed.resharding.tests "$@"
