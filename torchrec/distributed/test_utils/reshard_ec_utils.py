@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+EmbeddingCollection-specific test helpers for live resharding; the generic
+ones (plans, global state gathered with collectives, comparisons) are in
+``reshard_utils`` and work on a ShardedEmbeddingCollection as they are.
+"""
+
+from typing import Any, Dict, Optional, Sequence
+
+import torch
+from torchrec.distributed.embedding import (
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
+from torchrec.distributed.test_utils.reshard_utils import OPTIMIZERS
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
+
+
+def make_ec(
+    num_tables: int,
+    data_type: DataType = DataType.FP32,
+    dim: int = 16,
+    rows: Optional[Sequence[int]] = None,
+    seed: int = 0,
+) -> EmbeddingCollection:
+    """
+    Args:
+        num_tables (int): number of tables "t0".."tN" with features "f0".."fN".
+        data_type (DataType): FP32, FP16 or BF16.
+        dim (int): the embedding dim (an EC needs the same dim for every table).
+        rows (Optional[Sequence[int]]): rows per table.
+        seed (int): seed of the weights.
+
+    Returns:
+        EmbeddingCollection: on CPU, with deterministic weights.
+    """
+    rows = rows or [24 + 3 * i for i in range(num_tables)]
+    tables = [
+        EmbeddingConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=rows[i],
+            feature_names=[f"f{i}"],
+            data_type=data_type,
+        )
+        for i in range(num_tables)
+    ]
+    torch.manual_seed(seed)
+    return EmbeddingCollection(tables=tables, device=torch.device("cpu"))
+
+
+def make_ec_sharder(optimizer: Optional[str]) -> EmbeddingCollectionSharder:
+    """
+    Args:
+        optimizer (Optional[str]): fused optimizer name (see
+            ``reshard_utils.OPTIMIZERS``), or None.
+
+    Returns:
+        EmbeddingCollectionSharder: the sharder.
+    """
+    fused: Dict[str, Any] = {}
+    if optimizer is not None:
+        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
+        if optimizer != "sgd":
+            fused["eps"] = 0.01
+    return EmbeddingCollectionSharder(fused_params=fused or None)
+
+
+def ec_train_step(
+    module: ShardedEmbeddingCollection,
+    batch: KeyedJaggedTensor,
+    dense_optimizer: Optional[torch.optim.Optimizer] = None,
+) -> Dict[str, JaggedTensor]:
+    """
+    One forward/backward (the fused optimizer steps inside backward).
+
+    Returns:
+        Dict[str, JaggedTensor]: the sequence embeddings of the forward, detached.
+    """
+    out: Dict[str, JaggedTensor] = module(batch).wait()
+    loss = sum((jt.values().float() ** 2).sum() for jt in out.values())
+    # pyre-ignore[16]
+    loss.backward()
+    if dense_optimizer is not None:
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+    return {
+        name: JaggedTensor(
+            values=jt.values().detach(),
+            lengths=jt.lengths().detach(),
+            weights=None,
+        )
+        for name, jt in out.items()
+    }
+
+
+def assert_ec_outputs_equal(
+    a: Dict[str, JaggedTensor], b: Dict[str, JaggedTensor]
+) -> None:
+    """Same features in the same order, same lengths and values, bit for bit."""
+    assert list(a.keys()) == list(b.keys()), (list(a.keys()), list(b.keys()))
+    for name in a:
+        x, y = a[name], b[name]
+        assert torch.equal(x.lengths(), y.lengths()), name
+        assert x.values().dtype == y.values().dtype, name
+        assert torch.equal(x.values(), y.values()), (name, x.values(), y.values())
