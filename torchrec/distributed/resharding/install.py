@@ -679,10 +679,43 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
     def is_data_parallel(self, sharding: Any) -> bool:
         return isinstance(sharding, DpPooledEmbeddingSharding)
 
+    def _input_feature_names(self) -> Optional[List[str]]:
+        """
+        The feature order of the inputs the module has seen, recovered from its
+        input dists' feature permutation; None when it cannot be (no forward
+        yet, variable batch sizes, features the module does not use).
+        """
+        module = self.module
+        if module._has_uninitialized_input_dist:
+            return None
+        if module._inverse_indices_permute_indices is not None:
+            return None
+        names = [n for s in module._embedding_shardings for n in s.feature_names()]
+        if not module._has_features_permute:
+            return names
+        order = module._features_order
+        recovered: List[Optional[str]] = [None] * (max(order) + 1 if order else 0)
+        for name, index in zip(names, order):
+            recovered[index] = name
+        if any(name is None for name in recovered):
+            return None
+        return [name for name in recovered if name is not None]
+
+    def _kept_input_dists(self, groups: "_Groups") -> List[Optional[nn.Module]]:
+        module = self.module
+        if module._has_uninitialized_input_dist:
+            return [None] * len(groups.shardings)
+        by_sharding = {
+            id(s): d for s, d in zip(module._embedding_shardings, module._input_dists)
+        }
+        return [by_sharding.get(id(s)) for s in groups.shardings]
+
     def swap(
         self, groups: "_Groups", changed_sharding_params: Mapping[str, ParameterSharding]
     ) -> None:
         module = self.module
+        input_feature_names = self._input_feature_names()
+        kept_input_dists = self._kept_input_dists(groups)
         module._sharding_types = list(groups.infos.keys())
         module.sharding_type_to_sharding_infos = groups.infos
         module._embedding_shardings = groups.shardings
@@ -693,7 +726,6 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
         module._output_dists = groups.kept_output_dists
         module._update_output_dist()
 
-        # Input dists and feature permutation are rebuilt on the next forward.
         module._input_dists = []
         module._feature_splits = []
         module._features_order = []
@@ -714,6 +746,11 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
                 )
         module._pooling_type_to_rs_features = rs_features
         module._has_mean_pooling_callback = "MEAN" in rs_features
+        if input_feature_names is not None and not module._has_mean_pooling_callback:
+            # Untouched groups keep their input dists; the others get new ones
+            # now. Otherwise everything is rebuilt on the next forward.
+            module._create_input_dist(input_feature_names, kept_input_dists)
+            module._has_uninitialized_input_dist = False
 
         rebuild_fused_optimizer(module, groups.new_lookups, self.param_prefix)
         module._initialize_torch_state(skip_registering=True)

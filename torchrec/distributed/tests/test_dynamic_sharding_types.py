@@ -23,6 +23,7 @@ from hypothesis import given, HealthCheck, settings, Verbosity
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
+    make_batches,
     make_ebc,
     make_plan,
     make_sharder,
@@ -111,9 +112,16 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
         module = shard(
             ebc, sharder, make_plan(ebc, specs, world_size, world_size, FUSED), env, device
         )
+        batch = make_batches(4, [c.num_embeddings for c in ebc.embedding_bag_configs()], 1, 4, seed=2)[0]
+        module(batch).wait()  # builds the input dists
         types = list(module._sharding_types)
         kept = {
-            t: (module._lookups[i], module._output_dists[i], module._embedding_shardings[i])
+            t: (
+                module._lookups[i],
+                module._output_dists[i],
+                module._embedding_shardings[i],
+                module._input_dists[i],
+            )
             for i, t in enumerate(types)
         }
         untouched_ptrs = {
@@ -128,11 +136,12 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
 
         assert module._sharding_types == types
         for i, t in enumerate(module._sharding_types):
-            lookup, output_dist, sharding = kept[t]
+            lookup, output_dist, sharding, input_dist = kept[t]
             same = (
                 module._lookups[i] is lookup
                 and module._output_dists[i] is output_dist
                 and module._embedding_shardings[i] is sharding
+                and module._input_dists[i] is input_dist
             )
             assert same == (t != "table_wise"), (t, same)
         for name, ptr in untouched_ptrs.items():
