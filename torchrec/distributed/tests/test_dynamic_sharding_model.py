@@ -6,8 +6,8 @@
 # LICENSE file in the root directory of this source tree.
 
 """
-Model-level resharding: a DistributedModelParallel model with several sharded
-modules, trained under plan A, resharded with ``DistributedModelParallel.reshard``
+Model-level resharding: a DistributedModelParallel model with two EBCs and an
+EC, trained under plan A, resharded with ``DistributedModelParallel.reshard``
 to plan B and trained on, must be bit-equal (weights, fused optimizer state,
 outputs) to the same state sharded directly with plan B and trained the same
 way. The dry run's byte counts must equal what the exchange really moved.
@@ -39,33 +39,59 @@ from torchrec.distributed.test_utils.reshard_utils import (
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+)
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-MODULES = ("sparse_a", "sparse_b")
+MODULES = ("sparse_a", "sparse_b", "seq")
 
 
-class _TwoTowerSparse(nn.Module):
-    """Two EBCs whose pooled embeddings are concatenated."""
+class _SparseArch(nn.Module):
+    """Two EBCs (pooled) and an EC (sequence), outputs flattened together."""
 
-    def __init__(self, sparse_a: EmbeddingBagCollection, sparse_b: EmbeddingBagCollection) -> None:
+    def __init__(
+        self,
+        sparse_a: EmbeddingBagCollection,
+        sparse_b: EmbeddingBagCollection,
+        seq: EmbeddingCollection,
+    ) -> None:
         super().__init__()
         self.sparse_a = sparse_a
         self.sparse_b = sparse_b
+        self.seq = seq
 
-    def forward(self, features: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> torch.Tensor:
+    def forward(self, features: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
+        sequences = self.seq(features[2])
         return torch.cat(
-            [self.sparse_a(features[0]).values(), self.sparse_b(features[1]).values()],
-            dim=1,
+            [
+                self.sparse_a(features[0]).values().flatten(),
+                self.sparse_b(features[1]).values().flatten(),
+            ]
+            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
         )
 
 
-def _model() -> _TwoTowerSparse:
-    return _TwoTowerSparse(make_ebc(3, seed=1), make_ebc(2, seed=2))
+def _model() -> _SparseArch:
+    return _SparseArch(make_ebc(3, seed=1), make_ebc(2, seed=2), make_ec(2, seed=3))
+
+
+def _configs(model: _SparseArch, name: str) -> List[Any]:
+    module = getattr(model, name)
+    if isinstance(module, EmbeddingCollection):
+        return module.embedding_configs()
+    return module.embedding_bag_configs()
+
+
+def _prefix(model: _SparseArch, name: str) -> str:
+    module = getattr(model, name)
+    return "embeddings" if isinstance(module, EmbeddingCollection) else "embedding_bags"
 
 
 def _sharding_plan(
-    model: _TwoTowerSparse, specs: Dict[str, Dict[str, TableSpec]], world_size: int
+    model: _SparseArch, specs: Dict[str, Dict[str, TableSpec]], world_size: int
 ) -> ShardingPlan:
     return ShardingPlan(
         {
@@ -75,19 +101,22 @@ def _sharding_plan(
     )
 
 
-def _shapes(model: _TwoTowerSparse) -> Dict[str, Tuple[int, int]]:
+def _shapes(model: _SparseArch) -> Dict[str, Tuple[int, int]]:
     return {
-        f"{name}.embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
+        f"{name}.{_prefix(model, name)}.{c.name}.weight": (
+            c.num_embeddings,
+            c.embedding_dim,
+        )
         for name in MODULES
-        for c in getattr(model, name).embedding_bag_configs()
+        for c in _configs(model, name)
     }
 
 
-def _batches(model: _TwoTowerSparse, count: int) -> List[Tuple[KeyedJaggedTensor, ...]]:
+def _batches(model: _SparseArch, count: int) -> List[Tuple[KeyedJaggedTensor, ...]]:
     per_module = [
         make_batches(
-            len(getattr(model, name).embedding_bag_configs()),
-            [c.num_embeddings for c in getattr(model, name).embedding_bag_configs()],
+            len(_configs(model, name)),
+            [c.num_embeddings for c in _configs(model, name)],
             count,
             4,
             seed=7 + i,
@@ -114,7 +143,7 @@ def _run_model_reshard(
 ) -> None:
     with process_group(rank, world_size, port) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        sharders = [make_sharder(optimizer)]
+        sharders = [make_sharder(optimizer), make_ec_sharder(optimizer)]
         unsharded = _model()
         plans = [_sharding_plan(unsharded, specs, world_size) for specs in plan_specs]
         batches = _batches(unsharded, steps_before + steps_after)
@@ -165,20 +194,27 @@ def _run_model_reshard(
 PLAN_A = {
     "sparse_a": {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 1]), "t2": ("row_wise", None)},
     "sparse_b": {"t0": ("table_wise", 1), "t1": ("data_parallel", None)},
+    "seq": {"t0": ("table_wise", 0), "t1": ("row_wise", None)},
 }
 PLAN_B = {
     "sparse_a": {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", None)},
     "sparse_b": {"t0": ("column_wise", [0, 1]), "t1": ("table_wise", 0)},
+    "seq": {"t0": ("column_wise", [1, 0]), "t1": ("table_wise", 1)},
 }
 
 SIMPLE_TYPES = ["table_wise", "column_wise", "row_wise", "data_parallel"]
+# fbgemm's CPU dense kernel cannot run the unpooled lookups of data-parallel
+# EC tables, so EC plans here use the fused types only.
+SEQUENCE_TYPES = ["table_wise", "column_wise", "row_wise"]
 
 
 @st.composite
-def _module_specs(draw: Any, num_tables: int, world_size: int) -> Dict[str, TableSpec]:
+def _module_specs(
+    draw: Any, num_tables: int, world_size: int, types: List[str] = SIMPLE_TYPES
+) -> Dict[str, TableSpec]:
     specs: Dict[str, TableSpec] = {}
     for i in range(num_tables):
-        kind = draw(st.sampled_from(SIMPLE_TYPES))
+        kind = draw(st.sampled_from(types))
         arg: Any = None
         if kind == "table_wise":
             arg = draw(st.integers(0, world_size - 1))
@@ -214,10 +250,18 @@ class DynamicShardingModelTest(MultiProcessTestBase):
     )
     @given(
         a=st.fixed_dictionaries(
-            {"sparse_a": _module_specs(3, 2), "sparse_b": _module_specs(2, 2)}
+            {
+                "sparse_a": _module_specs(3, 2),
+                "sparse_b": _module_specs(2, 2),
+                "seq": _module_specs(2, 2, SEQUENCE_TYPES),
+            }
         ),
         b=st.fixed_dictionaries(
-            {"sparse_a": _module_specs(3, 2), "sparse_b": _module_specs(2, 2)}
+            {
+                "sparse_a": _module_specs(3, 2),
+                "sparse_b": _module_specs(2, 2),
+                "seq": _module_specs(2, 2, SEQUENCE_TYPES),
+            }
         ),
         steps_before=st.integers(0, 3),
         steps_after=st.integers(1, 2),
