@@ -14,20 +14,27 @@ Two steps talk to other ranks:
   rank shares the digest of its delta, its validation error (if any) and a few
   facts about the tables it holds. Disagreement or any error makes every rank
   raise the same :class:`ReshardError`.
-* :func:`exchange_pieces` — the data: per round and per dtype, every rank packs
-  the pieces of each destination into one contiguous buffer and calls one
-  ``all_to_all_single`` with exact split sizes on the module's process group.
-  Pieces whose source and destination are the same rank never enter a buffer;
-  the caller copies them locally.
+* :func:`exchange_pieces` — the data: per round and per (dtype, field), every
+  rank packs the pieces of each destination into one contiguous buffer and
+  calls one ``all_to_all_single`` with exact split sizes on the module's
+  process group. Pieces that already lie back to back in one storage are sent
+  from it without packing, and, when the caller names the destinations,
+  received straight into them. Pieces whose source and destination are the
+  same rank never enter a buffer; the caller copies them locally.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.resharding.plan import ReshardError, ReshardPlan, Transfer
+from torchrec.distributed.resharding.plan import (
+    Rect,
+    ReshardError,
+    ReshardPlan,
+    Transfer,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -120,6 +127,36 @@ def agree(
     return [g[2] for g in gathered]
 
 
+def _piece_bytes(transfer: Transfer, fields: Sequence[Field]) -> int:
+    return sum(f.numel(transfer) * _itemsize(f.dtype) for f in fields)
+
+
+def _split_by_rows(
+    transfer: Transfer, fields: Sequence[Field], max_bytes: int
+) -> List[Transfer]:
+    # Cuts a piece into row bands of at most ``max_bytes`` (at least one row),
+    # so that a cap smaller than a whole piece still bounds the buffers.
+    rect = transfer.rect
+    per_row = sum(
+        (rect.cols if f.kind == RECT else 1) * _itemsize(f.dtype)
+        for f in fields
+        if f.kind != SCALAR
+    )
+    scalars = sum(_itemsize(f.dtype) for f in fields if f.kind == SCALAR)
+    if per_row == 0:
+        return [transfer]
+    band = max(1, (max_bytes - scalars) // per_row)
+    if band >= rect.rows:
+        return [transfer]
+    return [
+        replace(
+            transfer,
+            rect=Rect(rect.row + r, rect.col, min(band, rect.rows - r), rect.cols),
+        )
+        for r in range(0, rect.rows, band)
+    ]
+
+
 def split_into_rounds(
     transfers: Sequence[Transfer],
     fields: Mapping[str, Sequence[Field]],
@@ -127,8 +164,9 @@ def split_into_rounds(
 ) -> List[List[Transfer]]:
     """
     Groups the remote transfers into rounds so that no rank has more than
-    ``max_inflight_bytes`` of send plus receive buffers in one round. A single
-    piece larger than the cap travels alone.
+    ``max_inflight_bytes`` of send plus receive buffers in one round. A piece
+    larger than the cap is cut into bands of rows that fit it (a single row
+    larger than the cap travels alone).
 
     Args:
         transfers (Sequence[Transfer]): the plan's transfers.
@@ -144,18 +182,19 @@ def split_into_rounds(
     rounds: List[List[Transfer]] = []
     current: List[Transfer] = []
     load: Dict[int, int] = {}
-    for transfer in remote:
-        size = sum(f.numel(transfer) * _itemsize(f.dtype) for f in fields[transfer.table])
-        over = any(
-            load.get(r, 0) + size > max_inflight_bytes
-            for r in (transfer.src_rank, transfer.dst_rank)
-        )
-        if current and over:
-            rounds.append(current)
-            current, load = [], {}
-        current.append(transfer)
-        for r in (transfer.src_rank, transfer.dst_rank):
-            load[r] = load.get(r, 0) + size
+    for whole in remote:
+        for transfer in _split_by_rows(whole, fields[whole.table], max_inflight_bytes):
+            size = _piece_bytes(transfer, fields[transfer.table])
+            over = any(
+                load.get(r, 0) + size > max_inflight_bytes
+                for r in (transfer.src_rank, transfer.dst_rank)
+            )
+            if current and over:
+                rounds.append(current)
+                current, load = [], {}
+            current.append(transfer)
+            for r in (transfer.src_rank, transfer.dst_rank):
+                load[r] = load.get(r, 0) + size
     if current:
         rounds.append(current)
     return rounds
@@ -165,11 +204,15 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _wire_dtypes(
+def _wire_groups(
     transfers: Sequence[Transfer], fields: Mapping[str, Sequence[Field]]
-) -> List[torch.dtype]:
-    dtypes = {f.dtype for t in transfers for f in fields[t.table]}
-    return sorted(dtypes, key=str)
+) -> List[Tuple[torch.dtype, str]]:
+    # One collective per (dtype, field): the pieces of one field of
+    # consecutive tables usually lie back to back in one storage (a batched
+    # kernel's flat weights or optimizer state), so they can travel without
+    # being packed or unpacked.
+    groups = {(f.dtype, f.name) for t in transfers for f in fields[t.table]}
+    return sorted(groups, key=lambda g: (str(g[0]), g[1]))
 
 
 def exchange_pieces(
@@ -182,9 +225,19 @@ def exchange_pieces(
     write_piece: Callable[[Transfer, Field, torch.Tensor], None],
     device: torch.device,
     max_inflight_bytes: Optional[int] = None,
+    target_piece: Optional[
+        Callable[[Transfer, Field], Optional[torch.Tensor]]
+    ] = None,
 ) -> Tuple[int, int]:
     """
     Sends every remote piece of ``plan`` from its source to its destination.
+
+    Per round, one ``all_to_all_single`` per (dtype, field). When the pieces a
+    rank sends of a field lie back to back in one storage, that storage is sent
+    as is (no send buffer); when ``target_piece`` gives, for every piece a rank
+    receives of a field, destinations that lie back to back in one storage, the
+    data is received straight into them (no receive buffer, ``write_piece`` is
+    not called for them).
 
     Args:
         plan (ReshardPlan): the plan, identical on every rank.
@@ -193,12 +246,16 @@ def exchange_pieces(
         world_size (int): size of ``process_group``.
         process_group (dist.ProcessGroup): the module's process group.
         read_piece (Callable): returns the source tensor of a field of a piece
-            this rank sends (any strides; it is packed here).
+            this rank sends (any strides; it is packed here if needed).
         write_piece (Callable): consumes a received field of a piece (a view
             into the receive buffer, valid only during the call).
         device (torch.device): device of the exchange buffers.
         max_inflight_bytes (Optional[int]): cap on the exchange buffers per
             rank and round.
+        target_piece (Optional[Callable]): optionally, the tensor a received
+            field of a piece would be copied into by ``write_piece`` (same
+            dtype and number of elements), or None when ``write_piece`` does
+            more than a copy.
 
     Returns:
         Tuple[int, int]: bytes this rank sent and received.
@@ -206,16 +263,18 @@ def exchange_pieces(
     sent_bytes = 0
     received_bytes = 0
     for round_transfers in split_into_rounds(plan.transfers, fields, max_inflight_bytes):
-        for dtype in _wire_dtypes(round_transfers, fields):
-            s, r = _exchange_one_dtype(
+        for dtype, name in _wire_groups(round_transfers, fields):
+            s, r = _exchange_one_group(
                 round_transfers,
                 fields,
                 dtype,
+                name,
                 rank,
                 world_size,
                 process_group,
                 read_piece,
                 write_piece,
+                target_piece,
                 device,
             )
             sent_bytes += s
@@ -223,41 +282,103 @@ def exchange_pieces(
     return sent_bytes, received_bytes
 
 
-def _exchange_one_dtype(
+def _field_of(
+    transfer: Transfer,
+    fields: Mapping[str, Sequence[Field]],
+    dtype: torch.dtype,
+    name: str,
+) -> Optional[Field]:
+    for f in fields[transfer.table]:
+        if f.dtype == dtype and f.name == name:
+            return f
+    return None
+
+
+def _flat_span(
+    tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Optional[torch.Tensor]:
+    """
+    A flat tensor over ``tensors`` when they are contiguous, of ``dtype``, on
+    ``device`` and lie back to back in one storage, in order; else None.
+    """
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage()
+    end = first.data_ptr()
+    total = 0
+    for t in tensors:
+        if (
+            t.dtype != dtype
+            or t.device != device
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage.data_ptr()
+            or t.data_ptr() != end
+        ):
+            return None
+        end += t.numel() * t.element_size()
+        total += t.numel()
+    span = torch.empty(0, dtype=dtype, device=device)
+    span.set_(storage, first.storage_offset(), (total,))
+    return span
+
+
+def _exchange_one_group(
     transfers: Sequence[Transfer],
     fields: Mapping[str, Sequence[Field]],
     dtype: torch.dtype,
+    name: str,
     rank: int,
     world_size: int,
     process_group: dist.ProcessGroup,
     read_piece: Callable[[Transfer, Field], torch.Tensor],
     write_piece: Callable[[Transfer, Field, torch.Tensor], None],
+    target_piece: Optional[Callable[[Transfer, Field], Optional[torch.Tensor]]],
     device: torch.device,
 ) -> Tuple[int, int]:
-    sends = sorted(
-        (t for t in transfers if t.src_rank == rank), key=lambda t: t.dst_rank
-    )
-    receives = sorted(
-        (t for t in transfers if t.dst_rank == rank), key=lambda t: t.src_rank
-    )
+    sends: List[Tuple[Transfer, Field]] = []
+    receives: List[Tuple[Transfer, Field]] = []
     send_splits = [0] * world_size
     recv_splits = [0] * world_size
-    for t in sends:
-        send_splits[t.dst_rank] += _numel_of_dtype(t, fields, dtype)
-    for t in receives:
-        recv_splits[t.src_rank] += _numel_of_dtype(t, fields, dtype)
+    for t in sorted((t for t in transfers if t.src_rank == rank), key=lambda t: t.dst_rank):
+        f = _field_of(t, fields, dtype, name)
+        if f is not None:
+            sends.append((t, f))
+            send_splits[t.dst_rank] += f.numel(t)
+    for t in sorted((t for t in transfers if t.dst_rank == rank), key=lambda t: t.src_rank):
+        f = _field_of(t, fields, dtype, name)
+        if f is not None:
+            receives.append((t, f))
+            recv_splits[t.src_rank] += f.numel(t)
 
-    send_buffer = torch.empty(sum(send_splits), dtype=dtype, device=device)
-    offset = 0
-    for t in sends:
-        for f in fields[t.table]:
-            if f.dtype != dtype:
-                continue
+    sources = [read_piece(t, f) for t, f in sends]
+    send_buffer = _flat_span(
+        [s.reshape(-1) if s.is_contiguous() else s for s in sources], dtype, device
+    )
+    if send_buffer is None:
+        send_buffer = torch.empty(sum(send_splits), dtype=dtype, device=device)
+        offset = 0
+        for (t, f), source in zip(sends, sources):
             n = f.numel(t)
-            source = read_piece(t, f)
             send_buffer[offset : offset + n].view(source.shape).copy_(source)
             offset += n
-    recv_buffer = torch.empty(sum(recv_splits), dtype=dtype, device=device)
+    del sources
+
+    recv_buffer: Optional[torch.Tensor] = None
+    if target_piece is not None and receives:
+        targets = [target_piece(t, f) for t, f in receives]
+        if all(
+            x is not None and x.numel() == f.numel(t) for x, (t, f) in zip(targets, receives)
+        ):
+            recv_buffer = _flat_span(
+                [x.reshape(-1) if x.is_contiguous() else x for x in targets],  # pyre-ignore[16]
+                dtype,
+                device,
+            )
+        del targets
+    direct = recv_buffer is not None
+    if recv_buffer is None:
+        recv_buffer = torch.empty(sum(recv_splits), dtype=dtype, device=device)
     dist.all_to_all_single(
         recv_buffer,
         send_buffer,
@@ -266,19 +387,11 @@ def _exchange_one_dtype(
         group=process_group,
     )
     del send_buffer
-    offset = 0
-    for t in receives:
-        for f in fields[t.table]:
-            if f.dtype != dtype:
-                continue
+    if not direct:
+        offset = 0
+        for t, f in receives:
             n = f.numel(t)
             write_piece(t, f, recv_buffer[offset : offset + n])
             offset += n
     itemsize = _itemsize(dtype)
     return sum(send_splits) * itemsize, sum(recv_splits) * itemsize
-
-
-def _numel_of_dtype(
-    transfer: Transfer, fields: Mapping[str, Sequence[Field]], dtype: torch.dtype
-) -> int:
-    return sum(f.numel(transfer) for f in fields[transfer.table] if f.dtype == dtype)

@@ -946,8 +946,26 @@ class SplitIntoRoundsTest(unittest.TestCase):
         self, transfers: List[Transfer], rounds: List[List[Transfer]], cap: int
     ) -> None:
         remote = [t for t in transfers if not t.is_local]
-        # Every remote transfer once, in plan order; no local one.
-        self.assertEqual([t for r in rounds for t in r], remote)
+        flat = [t for r in rounds for t in r]
+        # Every remote transfer, in plan order, as row bands that tile it; no
+        # local one.
+        i = 0
+        for t in remote:
+            row = t.rect.row
+            while row < t.rect.row + t.rect.rows:
+                band = flat[i]
+                i += 1
+                self.assertEqual(
+                    (band.table, band.src_rank, band.dst_rank, band.src_rect, band.dst_rect),
+                    (t.table, t.src_rank, t.dst_rank, t.src_rect, t.dst_rect),
+                )
+                self.assertEqual(
+                    (band.rect.row, band.rect.col, band.rect.cols),
+                    (row, t.rect.col, t.rect.cols),
+                )
+                row += band.rect.rows
+            self.assertEqual(row, t.rect.row + t.rect.rows)
+        self.assertEqual(i, len(flat))
         for round_ in rounds:
             self.assertTrue(round_)
             load: Dict[int, int] = {}
@@ -957,10 +975,13 @@ class SplitIntoRoundsTest(unittest.TestCase):
                     load[rank] = load.get(rank, 0) + self.size(t)
                     count[rank] = count.get(rank, 0) + 1
             for rank in load:
-                # Per rank: within the cap, or a single piece larger than it
-                # (which then shares the round with no other piece of that rank).
+                # Per rank: within the cap, or a single one-row band larger
+                # than it (which then shares the round with nothing else of
+                # that rank).
                 if load[rank] > cap:
                     self.assertEqual(count[rank], 1, (rank, round_))
+                    (band,) = [t for t in round_ if rank in (t.src_rank, t.dst_rank)]
+                    self.assertEqual(band.rect.rows, 1)
 
     def test_none_is_one_round_without_local(self) -> None:
         transfers = [
@@ -1000,8 +1021,12 @@ class SplitIntoRoundsTest(unittest.TestCase):
         self.assertEqual(
             rounds, [[transfers[0], transfers[1]], [transfers[2], transfers[4]]]
         )
+        # Cap 63: each 64-byte piece is cut into bands of 3 rows and 1 row.
         rounds = split_into_rounds(transfers, self.FIELDS, 63)
-        self.assertEqual(rounds, [[t] for t in transfers if not t.is_local])
+        self.check_rounds(transfers, rounds, 63)
+        self.assertEqual(
+            [t.rect.rows for r in rounds for t in r], [3, 1, 3, 1, 3, 1, 3, 1]
+        )
         rounds = split_into_rounds(transfers, self.FIELDS, 10_000)
         self.assertEqual(rounds, [[t for t in transfers if not t.is_local]])
 
@@ -1014,18 +1039,25 @@ class SplitIntoRoundsTest(unittest.TestCase):
         self.check_rounds(transfers, rounds, 48)
         self.assertEqual([len(r) for r in rounds], [2, 2, 1])
 
-    def test_piece_larger_than_cap_travels_alone(self) -> None:
+    def test_piece_larger_than_cap_is_cut_into_row_bands(self) -> None:
         transfers = [
             _transfer("a", 0, 1, 1, 4),  # 16 bytes
-            _transfer("a", 1, 0, 10, 4, row=1),  # 160 bytes > cap
+            _transfer("a", 1, 0, 10, 4, row=1),  # 160 bytes > cap: 5 bands of 2 rows
             _transfer("a", 0, 1, 1, 4, row=11),  # 16 bytes
             _transfer("a", 0, 1, 1, 4, row=12),  # 16 bytes
         ]
         rounds = split_into_rounds(transfers, self.FIELDS, 40)
         self.check_rounds(transfers, rounds, 40)
         self.assertEqual(
-            rounds, [[transfers[0]], [transfers[1]], [transfers[2], transfers[3]]]
+            [[t.rect.rows for t in r] for r in rounds],
+            [[1], [2], [2], [2], [2], [2], [1, 1]],
         )
+
+    def test_row_larger_than_cap_travels_alone(self) -> None:
+        transfers = [_transfer("a", 0, 1, 3, 4), _transfer("a", 2, 3, 1, 4)]
+        rounds = split_into_rounds(transfers, self.FIELDS, 10)
+        self.check_rounds(transfers, rounds, 10)
+        self.assertEqual([[t.rect.rows for t in r] for r in rounds], [[1]] * 4)
 
     # pyre-ignore[56]
     @settings(max_examples=100, deadline=None)
