@@ -243,17 +243,30 @@ def _to_fields(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
     ]
 
 
+def _uninitialized(*size: Any, **kwargs: Any) -> torch.Tensor:
+    kwargs.pop("generator", None)
+    return torch.empty(*size, **kwargs)
+
+
 @contextlib.contextmanager
 def _no_random_init() -> Iterator[None]:
-    # New lookups are overwritten from the exchanged pieces right away, so the
-    # random initialisation their constructors run would be wasted work.
+    """
+    New lookups are overwritten from the exchanged pieces right away, so the
+    random initialisation their constructors run is wasted work (for large
+    tables, most of a reshard's time): TorchRec's ``init_parameters`` and the
+    ``torch.randn`` fbgemm's dense kernel fills its weights with become no-ops
+    while the lookups are built. Neither offers a switch of its own.
+    """
     classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
     originals = [cls.init_parameters for cls in classes]
+    randn = torch.randn
     for cls in classes:
         cls.init_parameters = lambda self: None  # pyre-ignore[8]
+    torch.randn = _uninitialized  # pyre-ignore[9]
     try:
         yield
     finally:
+        torch.randn = randn  # pyre-ignore[9]
         for cls, original in zip(classes, originals):
             cls.init_parameters = original  # pyre-ignore[8]
 
@@ -583,6 +596,30 @@ def _write_piece(
         tensor.view(-1).copy_(data.view(-1))
 
 
+def _target_piece(
+    slot: LocalSlot, transfer: Transfer, f: Field
+) -> Optional[torch.Tensor]:
+    """
+    Where a received piece lands when ``_write_piece`` would only copy it (the
+    exchange then receives straight into it); None when it does more (a
+    row-wise merge) or the new kernel keeps no such state.
+    """
+    tensor = slot.tensors.get(f.name)
+    if tensor is None or tensor.dtype != f.dtype:
+        return None
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == RECT:
+        target = tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
+        return target if target.is_contiguous() else None
+    if f.kind == ROWS:
+        if local.cols != slot.rect.cols:
+            return None
+        return tensor[local.row : local.row + local.rows]
+    return tensor.view(-1) if tensor.numel() == 1 else None
+
+
 def _old_layouts(
     module: nn.Module, tables: Sequence[str], world_size: int
 ) -> Dict[str, TableLayout]:
@@ -869,6 +906,9 @@ def _fill_new_groups(
             ),
             device=device if device is not None else torch.device("cpu"),
             max_inflight_bytes=max_inflight_bytes,
+            target_piece=lambda t, f: _target_piece(
+                new_slots[(t.table, t.dst_rect)], t, f
+            ),
         )
         merges.finish()
 
