@@ -279,7 +279,7 @@ def check(module: Any, expected: Dict[str, str], plan_owner: Dict[str, int], ran
 class Breakdown:
     """Wraps install.py's steps to time them (the rest is 'other')."""
 
-    STEPS = ["agree", "_build_groups", "local_slots", "exchange_pieces", "_install"]
+    STEPS = ["agree", "_build_groups", "local_slots", "exchange_pieces"]
 
     def __init__(self) -> None:
         import torchrec.distributed.resharding.install as install

@@ -63,12 +63,14 @@ def _run_reshard_case(
     dims: Optional[Sequence[int]] = None,
     output_dtensor: bool = False,
     run_forward: bool = True,
+    train_each_step: bool = False,
 ) -> None:
     """
     Shards under ``plans[0]``, trains ``steps_before`` steps, reshards through
     ``plans[1:]`` in order, and checks the result against a module sharded
     directly with ``plans[-1]``. With ``run_forward=False`` (kernels that cannot
-    run on this backend) only the state is compared.
+    run on this backend) only the state is compared; with ``train_each_step``
+    every step of the chain is also followed by a compared training step.
     """
     with process_group(rank, world_size, port, local_size) as (pg, device):
         num_tables = len(plans[0])
@@ -105,18 +107,30 @@ def _run_reshard_case(
             assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
             assert_optimizer_states_equal(m1, m2)
             assert m1.module_sharding_plan == m2.module_sharding_plan
+            if train_each_step and run_forward:
+                _assert_same_training(m1, m2, batches[-1:], kernel, device)
 
-        if not run_forward:
-            return
-        dense_opts = [None, None]
-        if kernel == DENSE:
-            dense_opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (m1, m2)]
-        for batch in batches[steps_before:]:
-            out1 = train_step(m1, batch.to(device), dense_opts[0])
-            out2 = train_step(m2, batch.to(device), dense_opts[1])
-            assert torch.equal(out1, out2), (out1, out2)
-        assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
-        assert_optimizer_states_equal(m1, m2)
+        if run_forward:
+            _assert_same_training(m1, m2, batches[steps_before:], kernel, device)
+
+
+def _assert_same_training(
+    m1: torch.nn.Module,
+    m2: torch.nn.Module,
+    batches: Sequence[Any],
+    kernel: str,
+    device: torch.device,
+) -> None:
+    """Same forward outputs, then the same state after each training step."""
+    dense_opts = [None, None]
+    if kernel == DENSE:
+        dense_opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (m1, m2)]
+    for batch in batches:
+        out1 = train_step(m1, batch.to(device), dense_opts[0])
+        out2 = train_step(m2, batch.to(device), dense_opts[1])
+        assert torch.equal(out1, out2), (out1, out2)
+    assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
+    assert_optimizer_states_equal(m1, m2)
 
 
 def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]:

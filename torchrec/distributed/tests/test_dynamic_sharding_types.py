@@ -230,6 +230,36 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         self._run(2, plans=[a, b, a], optimizer="rowwise_adagrad", dims=[DIM] * 7)
         self._run(2, plans=[a, b], optimizer="adagrad", dims=[DIM] * 7)
 
+    def test_reshard_all_type_pairs(self) -> None:
+        # Table i has type (i + k) % 7 under plan P_k. The chain
+        # P0 -> P1 -> P3 -> P6 -> P3 -> P1 -> P0 shifts every table's type by
+        # 1, 2, 3, 4, 5 and 6 in turn, so the seven tables go through all 42
+        # (old type, new type) pairs with old != new; every step is compared
+        # with a directly sharded module, then trained one step and compared.
+        per_type: Dict[str, TableSpec] = {
+            "table_wise": ("table_wise", 1),
+            "column_wise": ("column_wise", [1, 0]),
+            "table_column_wise": ("table_column_wise", [0, 1]),
+            "row_wise": ("row_wise", None),
+            "table_row_wise": ("table_row_wise", 0),
+            "grid_shard": ("grid_shard", [0]),
+            "data_parallel": ("data_parallel", None),
+        }
+
+        def plan(k: int) -> Dict[str, TableSpec]:
+            return {
+                f"t{i}": per_type[SHARDING_TYPES[(i + k) % 7]] for i in range(7)
+            }
+
+        self._run(
+            2,
+            plans=[plan(k) for k in (0, 1, 3, 6, 3, 1, 0)],
+            optimizer="rowwise_adagrad",
+            dims=[DIM] * 7,
+            steps_before=1,
+            train_each_step=True,
+        )
+
     def test_reshard_unequal_column_widths(self) -> None:
         a = {"t0": ("custom", ("column_wise", [(0, 0, 24, 4, 0), (0, 4, 24, 12, 1)]))}
         b = {"t0": ("custom", ("column_wise", [(0, 0, 24, 12, 1), (0, 12, 24, 4, 0)]))}
