@@ -135,7 +135,10 @@ def make_ebc(rows: int, world_size: int) -> Any:
 
     tables = [
         EmbeddingBagConfig(
-            name=name, embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f_{name}"]
+            name=name,
+            embedding_dim=DIM,
+            num_embeddings=rows,
+            feature_names=[f"f_{name}"],
         )
         for name in table_names(world_size)
     ]
@@ -175,7 +178,9 @@ def make_sharder(kernel: str, optimizer: str) -> Any:
     return EmbeddingBagCollectionSharder()
 
 
-def shard(ebc: Any, plan: Any, env: Any, kernel: str, optimizer: str, random_init: bool) -> Any:
+def shard(
+    ebc: Any, plan: Any, env: Any, kernel: str, optimizer: str, random_init: bool
+) -> Any:
     from torchrec.distributed.resharding.install import _no_random_init
 
     sharder = make_sharder(kernel, optimizer)
@@ -263,11 +268,15 @@ def expected_fingerprints(module: Any, pg: Any) -> Dict[str, str]:
     return out
 
 
-def check(module: Any, expected: Dict[str, str], plan_owner: Dict[str, int], rank: int) -> None:
+def check(
+    module: Any, expected: Dict[str, str], plan_owner: Dict[str, int], rank: int
+) -> None:
     got = local_fingerprints(module)
     want = {t for t, r in plan_owner.items() if r == rank}
     if set(got) != want:
-        raise AssertionError(f"rank {rank}: local tables {sorted(got)} != {sorted(want)}")
+        raise AssertionError(
+            f"rank {rank}: local tables {sorted(got)} != {sorted(want)}"
+        )
     bad = [t for t in got if got[t] != expected[t]]
     if bad:
         raise AssertionError(f"rank {rank}: wrong contents after reshard in {bad}")
@@ -293,12 +302,16 @@ class Breakdown:
             original = getattr(self.install, name)
             self.originals[name] = original
 
-            def wrapped(*a: Any, _o: Callable[..., Any] = original, _n: str = name, **k: Any) -> Any:
+            def wrapped(
+                *a: Any, _o: Callable[..., Any] = original, _n: str = name, **k: Any
+            ) -> Any:
                 t0 = time.perf_counter()
                 try:
                     return _o(*a, **k)
                 finally:
-                    self.seconds[_n] = self.seconds.get(_n, 0.0) + time.perf_counter() - t0
+                    self.seconds[_n] = (
+                        self.seconds.get(_n, 0.0) + time.perf_counter() - t0
+                    )
 
             setattr(self.install, name, wrapped)
         return self
@@ -321,7 +334,15 @@ def timed(pg: Any, resettable: bool, fn: Callable[[], Any]) -> Tuple[float, int,
     return seconds, mem.extra_bytes, out
 
 
-def run_floor(method: str, args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, resettable: bool) -> Dict[str, Any]:
+def run_floor(
+    method: str,
+    args: argparse.Namespace,
+    size: int,
+    rank: int,
+    ws: int,
+    pg: Any,
+    resettable: bool,
+) -> Dict[str, Any]:
     n = size // 4
     send_splits = [0] * ws
     recv_splits = [0] * ws
@@ -340,12 +361,21 @@ def run_floor(method: str, args: argparse.Namespace, size: int, rank: int, ws: i
             dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
 
         s, peak, _ = timed(pg, resettable, step)
-        assert recv is not None and float(recv[0]) == float((rank - 1) % ws + 1) and float(recv[-1]) == float((rank - 1) % ws + 1)
+        assert (
+            recv is not None
+            and float(recv[0]) == float((rank - 1) % ws + 1)
+            and float(recv[-1]) == float((rank - 1) % ws + 1)
+        )
         del recv
         if rep >= args.warmup:
             times.append(s)
             peaks.append(peak)
-    return {"times": times, "peaks": peaks, "moved_bytes": size, "bound_bytes": 0 if method == "a2a_warm" else size}
+    return {
+        "times": times,
+        "peaks": peaks,
+        "moved_bytes": size,
+        "bound_bytes": 0 if method == "a2a_warm" else size,
+    }
 
 
 def _new_local_bytes(module: Any, tables: List[str]) -> int:
@@ -356,7 +386,16 @@ def _new_local_bytes(module: Any, tables: List[str]) -> int:
     return total
 
 
-def run_fork(method: str, args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, env: Any, resettable: bool) -> Dict[str, Any]:
+def run_fork(
+    method: str,
+    args: argparse.Namespace,
+    size: int,
+    rank: int,
+    ws: int,
+    pg: Any,
+    env: Any,
+    resettable: bool,
+) -> Dict[str, Any]:
     from torchrec.distributed.resharding.install import reshard_embedding_bag_collection
 
     kernel = "dense" if method == "dense" else "fused"
@@ -415,7 +454,15 @@ def run_fork(method: str, args: argparse.Namespace, size: int, rank: int, ws: in
     }
 
 
-def run_ckpt(args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, env: Any, resettable: bool) -> Dict[str, Any]:
+def run_ckpt(
+    args: argparse.Namespace,
+    size: int,
+    rank: int,
+    ws: int,
+    pg: Any,
+    env: Any,
+    resettable: bool,
+) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     kernel = "fused"
@@ -430,7 +477,13 @@ def run_ckpt(args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, e
     current = 0
     for rep in range(args.warmup + args.reps):
         target = 1 - current
-        objs = [tempfile.mkdtemp(prefix="reshard_bench_ckpt_", dir=base) if rank == 0 else None]
+        objs = [
+            (
+                tempfile.mkdtemp(prefix="reshard_bench_ckpt_", dir=base)
+                if rank == 0
+                else None
+            )
+        ]
         dist.broadcast_object_list(objs, src=0, group=pg)
         path = objs[0]
         bd: Dict[str, float] = {}
@@ -443,7 +496,9 @@ def run_ckpt(args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, e
             del sd, m
             gc.collect()
             t1 = time.perf_counter()
-            new = shard(ebc, plans[target], env, kernel, args.optimizer, random_init=True)
+            new = shard(
+                ebc, plans[target], env, kernel, args.optimizer, random_init=True
+            )
             t2 = time.perf_counter()
             sd = {"model": new.state_dict(), "optim": new.fused_optimizer.state_dict()}
             dcp.load(sd, checkpoint_id=path, process_group=pg)
@@ -466,13 +521,27 @@ def run_ckpt(args: argparse.Namespace, size: int, rank: int, ws: int, pg: Any, e
             breakdowns.append(bd)
     del holder
     gc.collect()
-    return {"times": times, "peaks": peaks, "moved_bytes": None, "bound_bytes": None, "breakdown": breakdowns}
+    return {
+        "times": times,
+        "peaks": peaks,
+        "moved_bytes": None,
+        "bound_bytes": None,
+        "breakdown": breakdowns,
+    }
 
 
 # ---------------------------------------------------------------- worker ----
 
 
-def worker(rank: int, ws: int, port: int, args: argparse.Namespace, jobs: List[Tuple[int, str]], out_path: str, resettable: bool) -> None:
+def worker(
+    rank: int,
+    ws: int,
+    port: int,
+    args: argparse.Namespace,
+    jobs: List[Tuple[int, str]],
+    out_path: str,
+    resettable: bool,
+) -> None:
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if not args.verbose:
@@ -481,7 +550,9 @@ def worker(rank: int, ws: int, port: int, args: argparse.Namespace, jobs: List[T
 
         warnings.filterwarnings("ignore")
         logging.getLogger("torchrec").setLevel(logging.ERROR)
-    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=timedelta(seconds=args.timeout_s))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=ws, timeout=timedelta(seconds=args.timeout_s)
+    )
     from torchrec.distributed.types import ShardingEnv
 
     pg = dist.group.WORLD
@@ -497,7 +568,10 @@ def worker(rank: int, ws: int, port: int, args: argparse.Namespace, jobs: List[T
         r.update(size=size, method=method, rank=rank)
         results.append(r)
         if rank == 0 and args.verbose:
-            print(f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}", flush=True)
+            print(
+                f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}",
+                flush=True,
+            )
     gathered: List[Any] = [None] * ws
     dist.all_gather_object(gathered, results, group=pg)
     if rank == 0:
@@ -513,7 +587,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: argparse.Namespace, jobs: List[Tuple[int, str]], resettable: bool) -> List[List[Dict[str, Any]]]:
+def launch(
+    args: argparse.Namespace, jobs: List[Tuple[int, str]], resettable: bool
+) -> List[List[Dict[str, Any]]]:
     fd, out_path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
@@ -532,31 +608,49 @@ def launch(args: argparse.Namespace, jobs: List[Tuple[int, str]], resettable: bo
 # ---------------------------------------------------------------- report ----
 
 
-def summarise(per_rank: List[List[Dict[str, Any]]], args: argparse.Namespace) -> List[Dict[str, Any]]:
+def summarise(
+    per_rank: List[List[Dict[str, Any]]], args: argparse.Namespace
+) -> List[Dict[str, Any]]:
     rows = []
     for i, r0 in enumerate(per_rank[0]):
         ranks = [pr[i] for pr in per_rank]
-        times = r0["times"]  # barriers around the step: identical up to noise on every rank
+        times = r0[
+            "times"
+        ]  # barriers around the step: identical up to noise on every rank
         row = {
             "size_mib": r0["size"] // MiB,
             "method": r0["method"],
-            "label": METHOD_LABELS[r0["method"]].format(opt=args.optimizer, cap=args.max_inflight_mib),
+            "label": METHOD_LABELS[r0["method"]].format(
+                opt=args.optimizer, cap=args.max_inflight_mib
+            ),
             "times_s": times,
             "min_s": min(times),
             "median_s": statistics.median(times),
             "peak_extra_mib_per_rank": [max(r["peaks"]) / MiB for r in ranks],
             "peak_extra_mib": max(max(r["peaks"]) for r in ranks) / MiB,
-            "moved_mib_per_rank": (r0["moved_bytes"] / MiB) if r0.get("moved_bytes") else None,
+            "moved_mib_per_rank": (
+                (r0["moved_bytes"] / MiB) if r0.get("moved_bytes") else None
+            ),
             "bytes_per_row": r0.get("bytes_per_row"),
-            "bound_mib": (max(r["bound_bytes"] for r in ranks) / MiB) if r0.get("bound_bytes") is not None else None,
+            "bound_mib": (
+                (max(r["bound_bytes"] for r in ranks) / MiB)
+                if r0.get("bound_bytes") is not None
+                else None
+            ),
             "breakdown_rank0": r0.get("breakdown"),
             "reports_rank0": r0.get("reports"),
         }
         rows.append(row)
     for row in rows:
-        floors = {r["method"]: r["min_s"] for r in rows if r["size_mib"] == row["size_mib"]}
-        row["x_warm"] = row["min_s"] / floors["a2a_warm"] if "a2a_warm" in floors else None
-        row["x_fresh"] = row["min_s"] / floors["a2a_fresh"] if "a2a_fresh" in floors else None
+        floors = {
+            r["method"]: r["min_s"] for r in rows if r["size_mib"] == row["size_mib"]
+        }
+        row["x_warm"] = (
+            row["min_s"] / floors["a2a_warm"] if "a2a_warm" in floors else None
+        )
+        row["x_fresh"] = (
+            row["min_s"] / floors["a2a_fresh"] if "a2a_fresh" in floors else None
+        )
         ck = floors.get("ckpt")
         row["x_ckpt"] = row["min_s"] / ck if ck else None
     return rows
@@ -614,7 +708,10 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
         xs = [r["size_mib"] for r in pts]
         ax1.plot(xs, [r["min_s"] for r in pts], marker="o", label=method)
         ax2.plot(xs, [r["peak_extra_mib"] for r in pts], marker="o", label=method)
-    for ax, ylabel in ((ax1, "time, min over reps (s)"), (ax2, "peak extra RSS per rank (MiB)")):
+    for ax, ylabel in (
+        (ax1, "time, min over reps (s)"),
+        (ax2, "peak extra RSS per rank (MiB)"),
+    ):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("moved weight bytes per rank (MiB)")
@@ -632,16 +729,61 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "against the all_to_all_single floors and the checkpoint route.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--sizes-mib", type=str, default="64,256,1024", help="moved weight bytes per rank, comma separated")
-    p.add_argument("--reps", type=int, default=3, help="measured repetitions per method (each reshards the other way)")
-    p.add_argument("--warmup", type=int, default=0, help="unmeasured repetitions before the measured ones")
-    p.add_argument("--methods", type=str, default=",".join(ALL_METHODS), help="subset of " + ",".join(ALL_METHODS))
-    p.add_argument("--world-size", type=int, default=2, help="number of gloo ranks (CPU)")
-    p.add_argument("--optimizer", type=str, default="EXACT_ROWWISE_ADAGRAD", help="fused optimizer (EmbOptimType name)")
-    p.add_argument("--max-inflight-mib", type=int, default=64, help="max_inflight_bytes of fused_cap, MiB")
-    p.add_argument("--out-dir", type=str, default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    p.add_argument("--ckpt-dir", type=str, default=None, help="where the checkpoint route writes (default: the temp dir)")
-    p.add_argument("--fresh-process-per-method", action="store_true", help="start new ranks for every (size, method) (automatic when /proc/self/clear_refs is not writable)")
+    p.add_argument(
+        "--sizes-mib",
+        type=str,
+        default="64,256,1024",
+        help="moved weight bytes per rank, comma separated",
+    )
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=3,
+        help="measured repetitions per method (each reshards the other way)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="unmeasured repetitions before the measured ones",
+    )
+    p.add_argument(
+        "--methods",
+        type=str,
+        default=",".join(ALL_METHODS),
+        help="subset of " + ",".join(ALL_METHODS),
+    )
+    p.add_argument(
+        "--world-size", type=int, default=2, help="number of gloo ranks (CPU)"
+    )
+    p.add_argument(
+        "--optimizer",
+        type=str,
+        default="EXACT_ROWWISE_ADAGRAD",
+        help="fused optimizer (EmbOptimType name)",
+    )
+    p.add_argument(
+        "--max-inflight-mib",
+        type=int,
+        default=64,
+        help="max_inflight_bytes of fused_cap, MiB",
+    )
+    p.add_argument(
+        "--out-dir",
+        type=str,
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+    )
+    p.add_argument(
+        "--ckpt-dir",
+        type=str,
+        default=None,
+        help="where the checkpoint route writes (default: the temp dir)",
+    )
+    p.add_argument(
+        "--fresh-process-per-method",
+        action="store_true",
+        help="start new ranks for every (size, method) (automatic when /proc/self/clear_refs is not writable)",
+    )
     p.add_argument("--timeout-s", type=int, default=1800, help="process group timeout")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true")
@@ -675,13 +817,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(header, flush=True)
     all_results: List[List[Dict[str, Any]]] = [[] for _ in range(args.world_size)]
     for size in sizes:
-        job_groups = [[(size, m)] for m in methods] if fresh else [[(size, m) for m in methods]]
+        job_groups = (
+            [[(size, m)] for m in methods] if fresh else [[(size, m) for m in methods]]
+        )
         for jobs in job_groups:
             t0 = time.perf_counter()
             per_rank = launch(args, jobs, resettable and not (fresh and not resettable))
             for r, res in enumerate(per_rank):
                 all_results[r].extend(res)
-            print(f"  size {size // MiB} MiB: {[m for _, m in jobs]} done in {time.perf_counter() - t0:.1f}s", flush=True)
+            print(
+                f"  size {size // MiB} MiB: {[m for _, m in jobs]} done in {time.perf_counter() - t0:.1f}s",
+                flush=True,
+            )
     rows = summarise(all_results, args)
     print()
     table = print_table(rows, "")

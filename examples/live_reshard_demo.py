@@ -719,9 +719,7 @@ def worker(args: argparse.Namespace) -> int:
     """Runs the demo on this rank; returns the exit status."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.resharding.install import (
-        reshard_embedding_bag_collection,
-    )
+    from torchrec.distributed.resharding.install import reshard_embedding_bag_collection
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection

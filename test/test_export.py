@@ -1,6 +1,5 @@
 """The exported series: git am on pristine upstream reproduces the fork."""
 
-import subprocess
 from pathlib import Path
 from typing import Dict
 

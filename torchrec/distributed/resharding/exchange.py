@@ -225,9 +225,7 @@ def exchange_pieces(
     write_piece: Callable[[Transfer, Field, torch.Tensor], None],
     device: torch.device,
     max_inflight_bytes: Optional[int] = None,
-    target_piece: Optional[
-        Callable[[Transfer, Field], Optional[torch.Tensor]]
-    ] = None,
+    target_piece: Optional[Callable[[Transfer, Field], Optional[torch.Tensor]]] = None,
 ) -> Tuple[int, int]:
     """
     Sends every remote piece of ``plan`` from its source to its destination.
@@ -262,7 +260,9 @@ def exchange_pieces(
     """
     sent_bytes = 0
     received_bytes = 0
-    for round_transfers in split_into_rounds(plan.transfers, fields, max_inflight_bytes):
+    for round_transfers in split_into_rounds(
+        plan.transfers, fields, max_inflight_bytes
+    ):
         for dtype, name in _wire_groups(round_transfers, fields):
             s, r = _exchange_one_group(
                 round_transfers,
@@ -340,12 +340,16 @@ def _exchange_one_group(
     receives: List[Tuple[Transfer, Field]] = []
     send_splits = [0] * world_size
     recv_splits = [0] * world_size
-    for t in sorted((t for t in transfers if t.src_rank == rank), key=lambda t: t.dst_rank):
+    for t in sorted(
+        (t for t in transfers if t.src_rank == rank), key=lambda t: t.dst_rank
+    ):
         f = _field_of(t, fields, dtype, name)
         if f is not None:
             sends.append((t, f))
             send_splits[t.dst_rank] += f.numel(t)
-    for t in sorted((t for t in transfers if t.dst_rank == rank), key=lambda t: t.src_rank):
+    for t in sorted(
+        (t for t in transfers if t.dst_rank == rank), key=lambda t: t.src_rank
+    ):
         f = _field_of(t, fields, dtype, name)
         if f is not None:
             receives.append((t, f))
@@ -368,10 +372,13 @@ def _exchange_one_group(
     if target_piece is not None and receives:
         targets = [target_piece(t, f) for t, f in receives]
         if all(
-            x is not None and x.numel() == f.numel(t) for x, (t, f) in zip(targets, receives)
+            x is not None and x.numel() == f.numel(t)
+            for x, (t, f) in zip(targets, receives)
         ):
             recv_buffer = _flat_span(
-                [x.reshape(-1) if x.is_contiguous() else x for x in targets],  # pyre-ignore[16]
+                [
+                    x.reshape(-1) if x.is_contiguous() else x for x in targets
+                ],  # pyre-ignore[16]
                 dtype,
                 device,
             )

@@ -214,7 +214,9 @@ def _local_facts(lookups: Sequence[nn.Module], tables: Sequence[str]) -> _Facts:
     optimizer_iter = 0
     for lookup in lookups:
         for batched in _batched_modules(lookup):
-            if not isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
+            if not isinstance(
+                batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)
+            ):
                 continue
             lr = batched.emb_module.get_learning_rate()
             for table in batched.config.embedding_tables:
@@ -306,7 +308,9 @@ class ShardedModuleAdapter:
         raise NotImplementedError
 
     def swap(
-        self, groups: "_Groups", changed_sharding_params: Mapping[str, ParameterSharding]
+        self,
+        groups: "_Groups",
+        changed_sharding_params: Mapping[str, ParameterSharding],
     ) -> None:
         """Installs the new groups and rebuilds what depends on them."""
         raise NotImplementedError
@@ -468,7 +472,9 @@ def _build_groups(
     env: ShardingEnv,
     device: Optional[torch.device],
 ) -> _Groups:
-    current = {t: (sharding, lookup, dist_) for t, sharding, lookup, dist_ in adapter.groups()}
+    current = {
+        t: (sharding, lookup, dist_) for t, sharding, lookup, dist_ in adapter.groups()
+    }
     groups = _Groups(new_infos, [], [], [], list(changed_types), [])
     for sharding_type, infos in new_infos.items():
         if sharding_type not in changed_types:
@@ -531,7 +537,9 @@ def _read_piece(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
     tensor = slot.tensors[f.name]
     local = transfer.rect.relative_to(slot.rect)
     if f.kind == RECT:
-        return tensor[local.row : local.row + local.rows, local.col : local.col + local.cols]
+        return tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
     if f.kind == ROWS:
         return tensor[local.row : local.row + local.rows]
     return tensor.reshape(1)
@@ -550,9 +558,7 @@ class _RowwiseMerges:
         self._sums: Dict[Tuple[str, Rect, str], torch.Tensor] = {}
         self._targets: Dict[Tuple[str, Rect, str], Tuple[torch.Tensor, int]] = {}
 
-    def add(
-        self, slot: LocalSlot, name: str, local: Rect, data: torch.Tensor
-    ) -> None:
+    def add(self, slot: LocalSlot, name: str, local: Rect, data: torch.Tensor) -> None:
         key = (slot.table, slot.rect, name)
         if key not in self._sums:
             target = slot.tensors[name]
@@ -634,7 +640,9 @@ def _old_layouts(
 def _apply_optimizer_facts(new_lookups: Sequence[nn.Module], facts: _Facts) -> None:
     for lookup in new_lookups:
         for batched in _batched_modules(lookup):
-            if not isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)):
+            if not isinstance(
+                batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag)
+            ):
                 continue
             names = [t.name for t in batched.config.embedding_tables]
             lrs = [facts.learning_rates[n] for n in names if n in facts.learning_rates]
@@ -748,7 +756,9 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
         return [by_sharding.get(id(s)) for s in groups.shardings]
 
     def swap(
-        self, groups: "_Groups", changed_sharding_params: Mapping[str, ParameterSharding]
+        self,
+        groups: "_Groups",
+        changed_sharding_params: Mapping[str, ParameterSharding],
     ) -> None:
         module = self.module
         input_feature_names = self._input_feature_names()

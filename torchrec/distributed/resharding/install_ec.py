@@ -18,7 +18,7 @@ the next forward), the combined fused optimizer and the state-dict views.
 """
 
 from collections import OrderedDict
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, cast
+from typing import Any, cast, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn

@@ -358,7 +358,9 @@ def plan_transfers(
     names = list(new_layouts if tables is None else tables)
     transfers: List[Transfer] = []
     for name in names:
-        transfers.extend(plan_table_transfers(name, old_layouts[name], new_layouts[name]))
+        transfers.extend(
+            plan_table_transfers(name, old_layouts[name], new_layouts[name])
+        )
     return ReshardPlan(
         tuple(transfers),
         {n: old_layouts[n] for n in names},

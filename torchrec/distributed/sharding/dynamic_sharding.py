@@ -140,7 +140,9 @@ def shards_all_to_all(
     assert pg is not None
     rank = dist.get_rank(pg)
     world_size = dist.get_world_size(pg)
-    plan = _weight_plan(state_dict, changed_sharding_params, extend_shard_name, world_size)
+    plan = _weight_plan(
+        state_dict, changed_sharding_params, extend_shard_name, world_size
+    )
     fields = {
         name: [Field("weight", RECT, _dtype(state_dict[extend_shard_name(name)]))]
         for name in changed_sharding_params
@@ -157,9 +159,7 @@ def shards_all_to_all(
     def write_piece(t: Transfer, f: Field, data: torch.Tensor) -> None:
         received[t] = data.clone()
 
-    exchange_pieces(
-        plan, fields, rank, world_size, pg, read_piece, write_piece, device
-    )
+    exchange_pieces(plan, fields, rank, world_size, pg, read_piece, write_piece, device)
     order = plan.receives(rank)
     names = [t.table for t in order]
     pieces = [received[t] for t in order]

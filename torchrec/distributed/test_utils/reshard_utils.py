@@ -288,9 +288,7 @@ def _local_pieces(value: Any) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
         wrapper = value._local_tensor
         return [
             (tuple(offset), tensor)
-            for tensor, offset in zip(
-                wrapper.local_shards(), wrapper.local_offsets()
-            )
+            for tensor, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
         ]
     return []
 

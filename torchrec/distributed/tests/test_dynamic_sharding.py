@@ -19,13 +19,12 @@ under test. Gloo on CPU here; NCCL when there are enough GPUs.
 
 import os
 import unittest
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, HealthCheck, settings, Verbosity
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -134,9 +133,7 @@ def _assert_same_training(
 
 
 def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]:
-    return st.lists(
-        st.integers(0, world_size - 1), min_size=count, max_size=count
-    )
+    return st.lists(st.integers(0, world_size - 1), min_size=count, max_size=count)
 
 
 class DynamicShardingTest(MultiProcessTestBase):

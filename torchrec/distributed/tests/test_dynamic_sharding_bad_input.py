@@ -36,11 +36,17 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
-PLAN_A = {"t0": ("table_wise", 0), "t1": ("table_wise", 1), "t2": ("column_wise", [0, 1])}
+PLAN_A = {
+    "t0": ("table_wise", 0),
+    "t1": ("table_wise", 1),
+    "t2": ("column_wise", [0, 1]),
+}
 PLAN_B = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("table_wise", 0)}
 
 
-def _moved(plan: Dict[str, ParameterSharding], table: str, **changes: Any) -> ParameterSharding:
+def _moved(
+    plan: Dict[str, ParameterSharding], table: str, **changes: Any
+) -> ParameterSharding:
     ps = copy.deepcopy(plan[table])
     for key, value in changes.items():
         setattr(ps, key, value)
@@ -51,7 +57,10 @@ def _shrunk_first_shard(ps: ParameterSharding) -> ParameterSharding:
     ps = copy.deepcopy(ps)
     spec = ps.sharding_spec
     assert isinstance(spec, EnumerableShardingSpec)
-    spec.shards[0].shard_sizes = [spec.shards[0].shard_sizes[0] - 1, spec.shards[0].shard_sizes[1]]
+    spec.shards[0].shard_sizes = [
+        spec.shards[0].shard_sizes[0] - 1,
+        spec.shards[0].shard_sizes[1],
+    ]
     return ps
 
 
@@ -168,7 +177,9 @@ def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> 
         # The module keeps training exactly like the untouched copy.
         dense = [None, None]
         if kernel == "dense":
-            dense = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (module, reference)]
+            dense = [
+                torch.optim.SGD(m.parameters(), lr=0.05) for m in (module, reference)
+            ]
         for batch in batches[1:]:
             out = train_step(module, batch, dense[0])
             ref = train_step(reference, batch, dense[1])

@@ -61,7 +61,12 @@ from torchrec.modules.embedding_configs import DataType
 FUSED = EmbeddingComputeKernel.FUSED.value
 DENSE = EmbeddingComputeKernel.DENSE.value
 DIM = 16
-EC_SHARDING_TYPES: List[str] = ["table_wise", "column_wise", "row_wise", "data_parallel"]
+EC_SHARDING_TYPES: List[str] = [
+    "table_wise",
+    "column_wise",
+    "row_wise",
+    "data_parallel",
+]
 
 
 def _runs_forward(specs: Dict[str, TableSpec], kernel: str, world_size: int) -> bool:
@@ -253,7 +258,11 @@ class DynamicShardingECTest(MultiProcessTestBase):
     def test_reshard_ec_tw_fp16_chain(self) -> None:
         a = {"t0": ("table_wise", 0), "t1": ("table_wise", 1), "t2": ("table_wise", 0)}
         b = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("table_wise", 0)}
-        c = {"t0": ("column_wise", [0, 1]), "t1": ("table_wise", 0), "t2": ("row_wise", None)}
+        c = {
+            "t0": ("column_wise", [0, 1]),
+            "t1": ("table_wise", 0),
+            "t2": ("row_wise", None),
+        }
         self._run(plans=[a, b, c, a], data_type=DataType.FP16, steps_before=1)
 
     def test_reshard_ec_untouched_groups_keep_their_lookups(self) -> None:

@@ -37,8 +37,16 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.types import ShardingEnv
 
-PLAN_A = {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 1]), "t2": ("row_wise", None)}
-PLAN_B = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("column_wise", [1, 0])}
+PLAN_A = {
+    "t0": ("table_wise", 0),
+    "t1": ("column_wise", [0, 1]),
+    "t2": ("row_wise", None),
+}
+PLAN_B = {
+    "t0": ("table_wise", 1),
+    "t1": ("table_wise", 0),
+    "t2": ("column_wise", [1, 0]),
+}
 EXCHANGE_TIMEOUT = timedelta(seconds=5)
 
 
@@ -109,7 +117,9 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         sharder.reshard(module, delta(plan_a, plan_b), env, device)
         sharder.reshard(reference, delta(plan_a, plan_b), env, device)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
-        assert torch.equal(train_step(module, batches[3]), train_step(reference, batches[3]))
+        assert torch.equal(
+            train_step(module, batches[3]), train_step(reference, batches[3])
+        )
 
 
 class DynamicShardingFaultTest(MultiProcessTestBase):

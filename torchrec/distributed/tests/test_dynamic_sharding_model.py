@@ -15,7 +15,7 @@ way. The dry run's byte counts must equal what the exchange really moved.
 
 import os
 import unittest
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import hypothesis.strategies as st
 import torch
@@ -25,6 +25,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.model import dry_run, plan_delta
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -39,7 +40,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -95,7 +95,9 @@ def _sharding_plan(
 ) -> ShardingPlan:
     return ShardingPlan(
         {
-            name: make_plan(getattr(model, name), specs[name], world_size, world_size, "fused")
+            name: make_plan(
+                getattr(model, name), specs[name], world_size, world_size, "fused"
+            )
             for name in MODULES
         }
     )
@@ -126,9 +128,11 @@ def _batches(model: _SparseArch, count: int) -> List[Tuple[KeyedJaggedTensor, ..
     return list(zip(*per_module))
 
 
-def _step(model: DistributedModelParallel, batch: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
+def _step(
+    model: DistributedModelParallel, batch: Tuple[KeyedJaggedTensor, ...]
+) -> torch.Tensor:
     out = model(batch)
-    (out ** 2).sum().backward()
+    (out**2).sum().backward()
     return out.detach()
 
 
@@ -168,7 +172,9 @@ def _run_model_reshard(
             dist.all_gather_object(
                 moved, (report.bytes_sent, report.bytes_received), group=pg
             )
-            assert [m[0] for m in moved] == [expected.bytes_sent[r] for r in range(world_size)]
+            assert [m[0] for m in moved] == [
+                expected.bytes_sent[r] for r in range(world_size)
+            ]
             assert [m[1] for m in moved] == [
                 expected.bytes_received[r] for r in range(world_size)
             ]
@@ -192,12 +198,20 @@ def _run_model_reshard(
 
 
 PLAN_A = {
-    "sparse_a": {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 1]), "t2": ("row_wise", None)},
+    "sparse_a": {
+        "t0": ("table_wise", 0),
+        "t1": ("column_wise", [0, 1]),
+        "t2": ("row_wise", None),
+    },
     "sparse_b": {"t0": ("table_wise", 1), "t1": ("data_parallel", None)},
     "seq": {"t0": ("table_wise", 0), "t1": ("row_wise", None)},
 }
 PLAN_B = {
-    "sparse_a": {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", None)},
+    "sparse_a": {
+        "t0": ("table_wise", 1),
+        "t1": ("table_wise", 0),
+        "t2": ("row_wise", None),
+    },
     "sparse_b": {"t0": ("column_wise", [0, 1]), "t1": ("table_wise", 0)},
     "seq": {"t0": ("column_wise", [1, 0]), "t1": ("table_wise", 1)},
 }

@@ -18,7 +18,6 @@ import unittest
 from typing import Any, Dict, List, Optional
 
 import hypothesis.strategies as st
-import torch
 from hypothesis import given, HealthCheck, settings, Verbosity
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
@@ -110,9 +109,15 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
             "t3": ("row_wise", None),
         }
         module = shard(
-            ebc, sharder, make_plan(ebc, specs, world_size, world_size, FUSED), env, device
+            ebc,
+            sharder,
+            make_plan(ebc, specs, world_size, world_size, FUSED),
+            env,
+            device,
         )
-        batch = make_batches(4, [c.num_embeddings for c in ebc.embedding_bag_configs()], 1, 4, seed=2)[0]
+        batch = make_batches(
+            4, [c.num_embeddings for c in ebc.embedding_bag_configs()], 1, 4, seed=2
+        )[0]
         module(batch).wait()  # builds the input dists
         types = list(module._sharding_types)
         kept = {
@@ -247,9 +252,7 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         }
 
         def plan(k: int) -> Dict[str, TableSpec]:
-            return {
-                f"t{i}": per_type[SHARDING_TYPES[(i + k) % 7]] for i in range(7)
-            }
+            return {f"t{i}": per_type[SHARDING_TYPES[(i + k) % 7]] for i in range(7)}
 
         self._run(
             2,
@@ -280,8 +283,16 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         )
 
     def test_reshard_dtensor_state_dict(self) -> None:
-        a = {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 1]), "t2": ("row_wise", None)}
-        b = {"t0": ("column_wise", [1, 0]), "t1": ("table_wise", 1), "t2": ("table_wise", 0)}
+        a = {
+            "t0": ("table_wise", 0),
+            "t1": ("column_wise", [0, 1]),
+            "t2": ("row_wise", None),
+        }
+        b = {
+            "t0": ("column_wise", [1, 0]),
+            "t1": ("table_wise", 1),
+            "t2": ("table_wise", 0),
+        }
         self._run(2, plans=[a, b], output_dtensor=True, optimizer="sgd", dims=[DIM] * 3)
 
     def test_untouched_groups_keep_their_lookups(self) -> None:

@@ -956,7 +956,13 @@ class SplitIntoRoundsTest(unittest.TestCase):
                 band = flat[i]
                 i += 1
                 self.assertEqual(
-                    (band.table, band.src_rank, band.dst_rank, band.src_rect, band.dst_rect),
+                    (
+                        band.table,
+                        band.src_rank,
+                        band.dst_rank,
+                        band.src_rect,
+                        band.dst_rect,
+                    ),
                     (t.table, t.src_rank, t.dst_rank, t.src_rect, t.dst_rect),
                 )
                 self.assertEqual(
