@@ -341,10 +341,14 @@ def _optimizer_shard_pairs(
             for s in weight.local_shards()
         ]
         for state_key, value in state[key].items():
-            if not isinstance(value, ShardedTensor):
+            if isinstance(value, ShardedTensor):
+                tensors = [shard.tensor for shard in value.local_shards()]
+            elif isinstance(value, DTensor):
+                tensors = list(value._local_tensor.local_shards())
+            else:
                 continue
-            for rect, shard in zip(rects, value.local_shards()):
-                yield key, state_key, rect, shard.tensor
+            for rect, tensor in zip(rects, tensors):
+                yield key, state_key, rect, tensor
 
 
 def global_optimizer_state(

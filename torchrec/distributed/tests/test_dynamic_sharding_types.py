@@ -241,6 +241,7 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         # 1, 2, 3, 4, 5 and 6 in turn, so the seven tables go through all 42
         # (old type, new type) pairs with old != new; every step is compared
         # with a directly sharded module, then trained one step and compared.
+        # Once with ShardedTensor and once with DTensor state dicts.
         per_type: Dict[str, TableSpec] = {
             "table_wise": ("table_wise", 1),
             "column_wise": ("column_wise", [1, 0]),
@@ -254,13 +255,42 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         def plan(k: int) -> Dict[str, TableSpec]:
             return {f"t{i}": per_type[SHARDING_TYPES[(i + k) % 7]] for i in range(7)}
 
+        for output_dtensor in (False, True):
+            self._run(
+                2,
+                plans=[plan(k) for k in (0, 1, 3, 6, 3, 1, 0)],
+                optimizer="rowwise_adagrad",
+                dims=[DIM] * 7,
+                steps_before=1,
+                train_each_step=True,
+                output_dtensor=output_dtensor,
+            )
+
+    def test_reshard_same_type_to_other_ranks_ws4_local2(self) -> None:
+        # The diagonal of the type matrix on two hosts: every type moves to
+        # other ranks (other host, other column order) without changing type.
+        a = {
+            "t0": ("table_wise", 0),
+            "t1": ("column_wise", [0, 1]),
+            "t2": ("table_column_wise", [0, 1]),
+            "t3": ("table_row_wise", 0),
+            "t4": ("grid_shard", [0]),
+            "t5": ("row_wise", None),
+        }
+        b = {
+            "t0": ("table_wise", 3),
+            "t1": ("column_wise", [3, 2, 1, 0]),
+            "t2": ("table_column_wise", [3, 2]),
+            "t3": ("table_row_wise", 1),
+            "t4": ("grid_shard", [1]),
+            "t5": ("row_wise", None),
+        }
         self._run(
-            2,
-            plans=[plan(k) for k in (0, 1, 3, 6, 3, 1, 0)],
+            4,
+            plans=[a, b],
             optimizer="rowwise_adagrad",
-            dims=[DIM] * 7,
-            steps_before=1,
-            train_each_step=True,
+            local_size=2,
+            dims=[DIM] * 6,
         )
 
     def test_reshard_unequal_column_widths(self) -> None:
@@ -293,7 +323,9 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
             "t1": ("table_wise", 1),
             "t2": ("table_wise", 0),
         }
-        self._run(2, plans=[a, b], output_dtensor=True, optimizer="sgd", dims=[DIM] * 3)
+        self._run(
+            2, plans=[a, b], output_dtensor=True, optimizer="adagrad", dims=[DIM] * 3
+        )
 
     def test_untouched_groups_keep_their_lookups(self) -> None:
         self._run_multi_process_test(
