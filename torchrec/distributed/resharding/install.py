@@ -48,6 +48,7 @@ from typing import (
     Tuple,
 )
 
+import fbgemm_gpu.split_table_batched_embeddings_ops_training as tbe_training
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -250,24 +251,51 @@ def _uninitialized(*size: Any, **kwargs: Any) -> torch.Tensor:
     return torch.empty(*size, **kwargs)
 
 
+# The host buffers of a fused kernel that the reshard overwrites entirely:
+# weights from the pieces, optimizer state from the pieces or, where no piece
+# carries it, zeroed by ``_zero_undelivered_state``.
+_FILLED_HOST_BUFFERS = ("weights", "momentum1", "momentum2")
+
+
+def _host_buffers_unfilled(original: Callable[..., None]) -> Callable[..., None]:
+    def apply_split_helper(*args: Any, **kwargs: Any) -> None:
+        current_device, split, prefix, dtype = args[2], args[5], args[6], args[7]
+        if (
+            prefix in _FILLED_HOST_BUFFERS
+            and split.host_size > 0
+            and kwargs.get("preallocated_host_buffer") is None
+        ):
+            kwargs["preallocated_host_buffer"] = torch.empty(
+                split.host_size, dtype=dtype, device=current_device
+            )
+        original(*args, **kwargs)
+
+    return apply_split_helper
+
+
 @contextlib.contextmanager
 def _no_random_init() -> Iterator[None]:
     """
     New lookups are overwritten from the exchanged pieces right away, so the
-    random initialisation their constructors run is wasted work (for large
-    tables, most of a reshard's time): TorchRec's ``init_parameters`` and the
-    ``torch.randn`` fbgemm's dense kernel fills its weights with become no-ops
-    while the lookups are built. Neither offers a switch of its own.
+    initialisation their constructors run is wasted work (for large tables,
+    most of a reshard's time): while the lookups are built, TorchRec's random
+    ``init_parameters``, the ``torch.randn`` fbgemm's dense kernel fills its
+    weights with, and the zero fill of a fused kernel's weight and optimizer
+    host buffers (which fbgemm lets a caller preallocate) are skipped. Only the
+    fused kernel has a switch for this, per constructor call, hence the hook.
     """
     classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
     originals = [cls.init_parameters for cls in classes]
     randn = torch.randn
+    split_helper = tbe_training.apply_split_helper
     for cls in classes:
         cls.init_parameters = lambda self: None  # pyre-ignore[8]
     torch.randn = _uninitialized  # pyre-ignore[9]
+    tbe_training.apply_split_helper = _host_buffers_unfilled(split_helper)
     try:
         yield
     finally:
+        tbe_training.apply_split_helper = split_helper
         torch.randn = randn  # pyre-ignore[9]
         for cls, original in zip(classes, originals):
             cls.init_parameters = original  # pyre-ignore[8]
@@ -874,6 +902,19 @@ def _abandon_exchange_group(group: dist.ProcessGroup, pg: dist.ProcessGroup) -> 
         dist.destroy_process_group(group)
 
 
+def _zero_undelivered_state(
+    new_slots: Mapping[Tuple[str, Rect], LocalSlot],
+    fields: Mapping[str, Sequence[Field]],
+) -> None:
+    # State no piece carries (e.g. a dense or data-parallel table turning
+    # fused) starts from zero, as in a freshly built kernel.
+    for (table, _), slot in new_slots.items():
+        delivered = {f.name for f in fields.get(table, [])}
+        for name, tensor in slot.tensors.items():
+            if name not in delivered:
+                tensor.zero_()
+
+
 def _fill_new_groups(
     module: nn.Module,
     groups: _Groups,
@@ -890,6 +931,8 @@ def _fill_new_groups(
     old_slots = local_slots(module._lookups)
     new_slots = local_slots(groups.new_lookups)
     merges = _RowwiseMerges()
+    with torch.no_grad():
+        _zero_undelivered_state(new_slots, fields)
 
     def read_piece(t: Transfer, f: Field) -> torch.Tensor:
         if _exchange_fault_hook is not None:
