@@ -226,6 +226,7 @@ def exchange_pieces(
     device: torch.device,
     max_inflight_bytes: Optional[int] = None,
     target_piece: Optional[Callable[[Transfer, Field], Optional[torch.Tensor]]] = None,
+    on_round: Optional[Callable[[int, int], None]] = None,
 ) -> Tuple[int, int]:
     """
     Sends every remote piece of ``plan`` from its source to its destination.
@@ -254,15 +255,16 @@ def exchange_pieces(
             field of a piece would be copied into by ``write_piece`` (same
             dtype and number of elements), or None when ``write_piece`` does
             more than a copy.
+        on_round (Optional[Callable[[int, int], None]]): called after each
+            round with (rounds done, rounds in all), e.g. for a progress bar.
 
     Returns:
         Tuple[int, int]: bytes this rank sent and received.
     """
     sent_bytes = 0
     received_bytes = 0
-    for round_transfers in split_into_rounds(
-        plan.transfers, fields, max_inflight_bytes
-    ):
+    rounds = split_into_rounds(plan.transfers, fields, max_inflight_bytes)
+    for done, round_transfers in enumerate(rounds, start=1):
         for dtype, name in _wire_groups(round_transfers, fields):
             s, r = _exchange_one_group(
                 round_transfers,
@@ -279,6 +281,8 @@ def exchange_pieces(
             )
             sent_bytes += s
             received_bytes += r
+        if on_round is not None:
+            on_round(done, len(rounds))
     return sent_bytes, received_bytes
 
 

@@ -915,6 +915,24 @@ def _zero_undelivered_state(
                 tensor.zero_()
 
 
+def _progress_bar(enabled: bool) -> Optional[Callable[[int, int], None]]:
+    """A tqdm bar over the exchange rounds, created on the first round."""
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    bar: List[Any] = []
+
+    def on_round(done: int, total: int) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc="resharding", unit="round"))
+        bar[0].update(1)
+        if done == total:
+            bar[0].close()
+
+    return on_round
+
+
 def _fill_new_groups(
     module: nn.Module,
     groups: _Groups,
@@ -926,6 +944,7 @@ def _fill_new_groups(
     device: Optional[torch.device],
     max_inflight_bytes: Optional[int],
     report: ReshardReport,
+    progress: bool = False,
 ) -> None:
     """Copies the local pieces and receives the remote ones into the new groups."""
     old_slots = local_slots(module._lookups)
@@ -962,6 +981,7 @@ def _fill_new_groups(
             target_piece=lambda t, f: _target_piece(
                 new_slots[(t.table, t.dst_rect)], t, f
             ),
+            on_round=_progress_bar(progress and rank == 0),
         )
         merges.finish()
 
@@ -1007,6 +1027,7 @@ def reshard_sharded_module(
     device: Optional[torch.device] = None,
     max_inflight_bytes: Optional[int] = None,
     exchange_timeout: Optional[timedelta] = None,
+    progress: bool = False,
 ) -> ReshardReport:
     """
     Reshards a sharded embedding module in place.
@@ -1021,6 +1042,7 @@ def reshard_sharded_module(
             the exchange runs in as many rounds as the cap needs.
         exchange_timeout (Optional[timedelta]): timeout of the exchange's
             collectives (default: the process group's).
+        progress (bool): show a progress bar over the exchange rounds on rank 0.
 
     Returns:
         ReshardReport: what this rank did.
@@ -1091,6 +1113,7 @@ def reshard_sharded_module(
             device,
             max_inflight_bytes,
             report,
+            progress,
         )
         # Nobody swaps before everybody filled its new shards.
         dist.barrier(group=exchange_group)

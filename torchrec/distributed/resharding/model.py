@@ -261,6 +261,7 @@ def reshard_model(
             model.device,
             max_inflight_bytes,
             exchange_timeout,
+            progress,
         )
         model.plan.plan[path].update(delta)
     report.seconds = time.perf_counter() - start
