@@ -15,11 +15,22 @@ directly with another plan, and exact comparisons.
 import contextlib
 import os
 from datetime import timedelta
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from hypothesis import HealthCheck, settings, Verbosity
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
@@ -39,6 +50,7 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -471,3 +483,29 @@ def train_step(
         dense_optimizer.step()
         dense_optimizer.zero_grad()
     return values.detach()
+
+
+class ReshardTestBase(MultiProcessTestBase):
+    """MultiProcessTestBase whose ranks get the test's master port explicitly
+    (forkserver children do not see later changes of the parent's env)."""
+
+    def run_ranks(
+        self, callable: Callable[..., None], world_size: int = 2, **kwargs: Any
+    ) -> None:
+        """Runs ``callable(rank=, world_size=, port=, **kwargs)`` on every rank."""
+        self._run_multi_process_test(
+            callable=callable,
+            world_size=world_size,
+            port=os.environ["MASTER_PORT"],
+            **kwargs,
+        )
+
+
+def multi_process_settings(max_examples: int) -> Callable[[Any], Any]:
+    """Hypothesis settings for tests whose examples each spawn ranks."""
+    return settings(
+        verbosity=Verbosity.verbose,
+        max_examples=max_examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture],
+    )

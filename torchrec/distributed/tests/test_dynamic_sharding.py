@@ -17,15 +17,13 @@ from m2 before the reshard with plain collectives (see
 under test. Gloo on CPU here; NCCL when there are enough GPUs.
 """
 
-import os
 import unittest
 from typing import Any, Dict, List, Optional, Sequence
 
 import hypothesis.strategies as st
 import torch
-from hypothesis import given, HealthCheck, settings, Verbosity
+from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -37,7 +35,9 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_ebc,
     make_plan,
     make_sharder,
+    multi_process_settings,
     process_group,
+    ReshardTestBase,
     shard,
     TableSpec,
     train_step,
@@ -136,22 +136,16 @@ def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]
     return st.lists(st.integers(0, world_size - 1), min_size=count, max_size=count)
 
 
-class DynamicShardingTest(MultiProcessTestBase):
+class DynamicShardingTest(ReshardTestBase):
     def _run(self, world_size: int, **kwargs: Any) -> None:
-        self._run_multi_process_test(
-            callable=_run_reshard_case,
-            world_size=world_size,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_reshard_case,
+            world_size,
             **kwargs,
         )
 
     # pyre-ignore[56]
-    @settings(
-        verbosity=Verbosity.verbose,
-        max_examples=6,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture],
-    )
+    @multi_process_settings(max_examples=6)
     @given(
         world_size=st.sampled_from([2, 4]),
         num_tables=st.sampled_from([2, 3, 4]),

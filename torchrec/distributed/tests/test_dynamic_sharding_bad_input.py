@@ -13,7 +13,6 @@ that a mistake here fails instead of hanging.
 """
 
 import copy
-import os
 import unittest
 from typing import Any, Dict, List
 
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import ReshardError
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -31,6 +29,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_plan,
     make_sharder,
     process_group,
+    ReshardTestBase,
     shard,
     train_step,
 )
@@ -191,20 +190,18 @@ def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> 
         assert module.module_sharding_plan["t0"] == plan_b["t0"]
 
 
-class DynamicShardingBadInputTest(MultiProcessTestBase):
+class DynamicShardingBadInputTest(ReshardTestBase):
     def test_bad_input_fused(self) -> None:
-        self._run_multi_process_test(
-            callable=_run_bad_input_cases,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_bad_input_cases,
+            2,
             kernel="fused",
         )
 
     def test_bad_input_dense(self) -> None:
-        self._run_multi_process_test(
-            callable=_run_bad_input_cases,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_bad_input_cases,
+            2,
             kernel="dense",
         )
 

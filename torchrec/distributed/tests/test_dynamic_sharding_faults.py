@@ -12,7 +12,6 @@ ReshardAbortedError, nothing may hang, and the module must keep training under
 its old plan, bit-equal to an untouched copy; a later reshard must still work.
 """
 
-import os
 import time
 import unittest
 from datetime import timedelta
@@ -22,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.resharding import install, ReshardAbortedError
 from torchrec.distributed.resharding.plan import Transfer
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -32,6 +30,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_plan,
     make_sharder,
     process_group,
+    ReshardTestBase,
     shard,
     train_step,
 )
@@ -122,20 +121,18 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         )
 
 
-class DynamicShardingFaultTest(MultiProcessTestBase):
+class DynamicShardingFaultTest(ReshardTestBase):
     def test_rank_raises_mid_exchange(self) -> None:
-        self._run_multi_process_test(
-            callable=_run_fault_case,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_fault_case,
+            2,
             fault="raise",
         )
 
     def test_rank_times_out_mid_exchange(self) -> None:
-        self._run_multi_process_test(
-            callable=_run_fault_case,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_fault_case,
+            2,
             fault="timeout",
         )
 

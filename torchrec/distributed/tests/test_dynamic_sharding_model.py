@@ -13,18 +13,16 @@ outputs) to the same state sharded directly with plan B and trained the same
 way. The dry run's byte counts must equal what the exchange really moved.
 """
 
-import os
 import unittest
 from typing import Any, Dict, List, Tuple
 
 import hypothesis.strategies as st
 import torch
 import torch.distributed as dist
-from hypothesis import given, HealthCheck, settings, Verbosity
+from hypothesis import given
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.model import dry_run, plan_delta
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -36,7 +34,9 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_ebc,
     make_plan,
     make_sharder,
+    multi_process_settings,
     process_group,
+    ReshardTestBase,
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -238,12 +238,11 @@ def _module_specs(
     return specs
 
 
-class DynamicShardingModelTest(MultiProcessTestBase):
+class DynamicShardingModelTest(ReshardTestBase):
     def _run(self, **kwargs: Any) -> None:
-        self._run_multi_process_test(
-            callable=_run_model_reshard,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_model_reshard,
+            2,
             **kwargs,
         )
 
@@ -256,12 +255,7 @@ class DynamicShardingModelTest(MultiProcessTestBase):
         )
 
     # pyre-ignore[56]
-    @settings(
-        verbosity=Verbosity.verbose,
-        max_examples=3,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture],
-    )
+    @multi_process_settings(max_examples=3)
     @given(
         a=st.fixed_dictionaries(
             {

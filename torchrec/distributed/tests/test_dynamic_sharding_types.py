@@ -13,20 +13,20 @@ Each case is checked against a module sharded directly with the new plan (see
 ``test_dynamic_sharding._run_reshard_case``).
 """
 
-import os
 import unittest
 from typing import Any, Dict, List, Optional
 
 import hypothesis.strategies as st
-from hypothesis import given, HealthCheck, settings, Verbosity
+from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     make_batches,
     make_ebc,
     make_plan,
     make_sharder,
+    multi_process_settings,
     process_group,
+    ReshardTestBase,
     shard,
     TableSpec,
 )
@@ -153,22 +153,16 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
             assert module.embedding_bags[name].weight.data_ptr() == ptr, name
 
 
-class DynamicShardingTypesTest(MultiProcessTestBase):
+class DynamicShardingTypesTest(ReshardTestBase):
     def _run(self, world_size: int, **kwargs: Any) -> None:
-        self._run_multi_process_test(
-            callable=_run_reshard_case,
-            world_size=world_size,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_reshard_case,
+            world_size,
             **kwargs,
         )
 
     # pyre-ignore[56]
-    @settings(
-        verbosity=Verbosity.verbose,
-        max_examples=6,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture],
-    )
+    @multi_process_settings(max_examples=6)
     @given(
         plans=plan_pairs(world_size=2, local_size=2, num_tables=3),
         data_type=st.sampled_from([DataType.FP32, DataType.FP16]),
@@ -190,12 +184,7 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         )
 
     # pyre-ignore[56]
-    @settings(
-        verbosity=Verbosity.verbose,
-        max_examples=2,
-        deadline=None,
-        suppress_health_check=[HealthCheck.function_scoped_fixture],
-    )
+    @multi_process_settings(max_examples=2)
     @given(
         plans=plan_pairs(world_size=4, local_size=2, num_tables=3),
         data_type=st.sampled_from([DataType.FP32, DataType.FP16]),
@@ -328,10 +317,9 @@ class DynamicShardingTypesTest(MultiProcessTestBase):
         )
 
     def test_untouched_groups_keep_their_lookups(self) -> None:
-        self._run_multi_process_test(
-            callable=_run_untouched_groups_kept,
-            world_size=2,
-            port=os.environ["MASTER_PORT"],
+        self.run_ranks(
+            _run_untouched_groups_kept,
+            2,
         )
 
 
