@@ -856,11 +856,8 @@ def _planned_tables(
 _exchange_fault_hook: Optional[Callable[[Transfer], None]] = None
 
 
-# Dedicated exchange groups by (id of the module's group, timeout); each entry
-# keeps the module's group alive so that its id cannot be reused meanwhile.
-_exchange_groups: Dict[
-    Tuple[int, Optional[timedelta]], Tuple[dist.ProcessGroup, dist.ProcessGroup]
-] = {}
+# Dedicated exchange groups, by (id of the module's group, timeout).
+_exchange_groups: Dict[Tuple[int, Optional[timedelta]], dist.ProcessGroup] = {}
 
 
 def _exchange_group(
@@ -882,21 +879,21 @@ def _exchange_group(
     """
     key = (id(pg), timeout)
     if key in _exchange_groups:
-        return _exchange_groups[key][1]
+        return _exchange_groups[key]
     if dist.get_world_size(pg) != dist.get_world_size():
         return pg
     kwargs: Dict[str, Any] = {"backend": dist.get_backend(pg)}
     if timeout is not None:
         kwargs["timeout"] = timeout
     group = dist.new_group(ranks=list(range(dist.get_world_size())), **kwargs)
-    _exchange_groups[key] = (pg, group)
+    _exchange_groups[key] = group
     return group
 
 
 def _abandon_exchange_group(group: dist.ProcessGroup, pg: dist.ProcessGroup) -> None:
     # Closing the group wakes peers still blocked in it with an error instead
     # of letting them wait for their timeout; the next reshard makes a new one.
-    for key, (_, cached) in list(_exchange_groups.items()):
+    for key, cached in list(_exchange_groups.items()):
         if cached is group:
             del _exchange_groups[key]
     if group is pg:
