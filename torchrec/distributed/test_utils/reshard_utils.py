@@ -201,20 +201,18 @@ def make_plan(
         "grid_shard": lambda a: grid_shard(host_indexes=list(a)),
         "data_parallel": lambda a: data_parallel(),
     }
-    generated = {
-        name: generators[kind](arg)
-        for name, (kind, arg) in specs.items()
-        if kind != "custom"
-    }
-    plan = EmbeddingModuleShardingPlan()
-    if generated:
-        plan = construct_module_sharding_plan(
-            ebc,
-            generated,
-            local_size=local_size,
-            world_size=world_size,
-            device_type=device_type,
-        )
+    # construct_module_sharding_plan needs every table: "custom" tables get a
+    # table-wise placeholder that is replaced below.
+    plan = construct_module_sharding_plan(
+        ebc,
+        {
+            name: table_wise(rank=0) if kind == "custom" else generators[kind](arg)
+            for name, (kind, arg) in specs.items()
+        },
+        local_size=local_size,
+        world_size=world_size,
+        device_type=device_type,
+    )
     for name, (kind, arg) in specs.items():
         if kind == "custom":
             plan[name] = _custom_sharding(arg, device_type, world_size)

@@ -17,19 +17,16 @@ unsharded weights, independently of the resharding planner.
 
 import os
 import unittest
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
-from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.sharding.dynamic_sharding import (
     shards_all_to_all,
     update_state_dict_post_resharding,
 )
-from torchrec.distributed.sharding_plan import placement
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
@@ -103,45 +100,6 @@ CASES: List[Case] = [
 ]
 
 
-def _module_plan(
-    ebc: Any,
-    specs: Dict[str, TableSpec],
-    world_size: int,
-    kernel: str,
-    device_type: str,
-) -> Dict[str, ParameterSharding]:
-    """
-    ``make_plan``, also when some tables are "custom": its
-    ``construct_module_sharding_plan`` call needs every table, so custom
-    tables get a table-wise placeholder that is replaced afterwards.
-    """
-    placeholder = {
-        name: ("table_wise", 0) if kind == "custom" else (kind, arg)
-        for name, (kind, arg) in specs.items()
-    }
-    plan = make_plan(ebc, placeholder, world_size, world_size, kernel, device_type)
-    for name, (kind, arg) in specs.items():
-        if kind != "custom":
-            continue
-        sharding_type, shards = arg
-        plan[name] = ParameterSharding(
-            sharding_type=sharding_type,
-            compute_kernel=kernel,
-            ranks=[s[4] for s in shards],
-            sharding_spec=EnumerableShardingSpec(
-                [
-                    ShardMetadata(
-                        shard_offsets=[row, col],
-                        shard_sizes=[rows, cols],
-                        placement=placement(device_type, rank, world_size),
-                    )
-                    for row, col, rows, cols, rank in shards
-                ]
-            ),
-        )
-    return plan
-
-
 def _expected_receives(
     rank: int,
     world_size: int,
@@ -200,8 +158,12 @@ def _run_seed_api(rank: int, world_size: int, port: str, cases: List[Case]) -> N
             ebc = make_ebc(len(plan_a), data_type)
             weights = {k: v.detach().clone() for k, v in ebc.state_dict().items()}
             sharder = make_sharder("sgd" if kernel == FUSED else None)
-            module_a = _module_plan(ebc, plan_a, world_size, kernel, device.type)
-            module_b = _module_plan(ebc, plan_b, world_size, kernel, device.type)
+            module_a = make_plan(
+                ebc, plan_a, world_size, world_size, kernel, device.type
+            )
+            module_b = make_plan(
+                ebc, plan_b, world_size, world_size, kernel, device.type
+            )
             changed = delta(module_a, module_b)
             assert changed, case_name
 
