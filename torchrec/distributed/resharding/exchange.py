@@ -298,6 +298,31 @@ def _field_of(
     return None
 
 
+def _pieces_by_peer(
+    transfers: Sequence[Transfer],
+    fields: Mapping[str, Sequence[Field]],
+    dtype: torch.dtype,
+    name: str,
+    world_size: int,
+    rank: int,
+    outgoing: bool,
+) -> Tuple[List[Tuple[Transfer, Field]], List[int]]:
+    """
+    The pieces of one (dtype, field) this rank sends (``outgoing``) or
+    receives, ordered by peer rank then plan order, and the element count per
+    peer (the all-to-all split sizes).
+    """
+    pieces: List[Tuple[Transfer, Field]] = []
+    splits = [0] * world_size
+    mine = [t for t in transfers if (t.src_rank if outgoing else t.dst_rank) == rank]
+    for t in sorted(mine, key=lambda t: t.dst_rank if outgoing else t.src_rank):
+        f = _field_of(t, fields, dtype, name)
+        if f is not None:
+            pieces.append((t, f))
+            splits[t.dst_rank if outgoing else t.src_rank] += f.numel(t)
+    return pieces, splits
+
+
 def _flat_span(
     tensors: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> Optional[torch.Tensor]:
@@ -340,24 +365,12 @@ def _exchange_one_group(
     target_piece: Optional[Callable[[Transfer, Field], Optional[torch.Tensor]]],
     device: torch.device,
 ) -> Tuple[int, int]:
-    sends: List[Tuple[Transfer, Field]] = []
-    receives: List[Tuple[Transfer, Field]] = []
-    send_splits = [0] * world_size
-    recv_splits = [0] * world_size
-    for t in sorted(
-        (t for t in transfers if t.src_rank == rank), key=lambda t: t.dst_rank
-    ):
-        f = _field_of(t, fields, dtype, name)
-        if f is not None:
-            sends.append((t, f))
-            send_splits[t.dst_rank] += f.numel(t)
-    for t in sorted(
-        (t for t in transfers if t.dst_rank == rank), key=lambda t: t.src_rank
-    ):
-        f = _field_of(t, fields, dtype, name)
-        if f is not None:
-            receives.append((t, f))
-            recv_splits[t.src_rank] += f.numel(t)
+    sends, send_splits = _pieces_by_peer(
+        transfers, fields, dtype, name, world_size, rank, outgoing=True
+    )
+    receives, recv_splits = _pieces_by_peer(
+        transfers, fields, dtype, name, world_size, rank, outgoing=False
+    )
 
     sources = [read_piece(t, f) for t, f in sends]
     send_buffer = _flat_span(
