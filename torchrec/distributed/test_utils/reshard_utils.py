@@ -201,18 +201,27 @@ def make_plan(
         "grid_shard": lambda a: grid_shard(host_indexes=list(a)),
         "data_parallel": lambda a: data_parallel(),
     }
-    # construct_module_sharding_plan needs every table: "custom" tables get a
-    # table-wise placeholder that is replaced below.
+    # construct_module_sharding_plan needs every table of the module: "custom"
+    # tables and tables without a spec get a table-wise placeholder; the
+    # former are replaced below, the latter dropped.
+    configs = (
+        ebc.embedding_bag_configs()
+        if hasattr(ebc, "embedding_bag_configs")
+        else ebc.embedding_configs()
+    )
+    generated = {config.name: table_wise(rank=0) for config in configs}
+    for name, (kind, arg) in specs.items():
+        if kind != "custom":
+            generated[name] = generators[kind](arg)
     plan = construct_module_sharding_plan(
         ebc,
-        {
-            name: table_wise(rank=0) if kind == "custom" else generators[kind](arg)
-            for name, (kind, arg) in specs.items()
-        },
+        generated,
         local_size=local_size,
         world_size=world_size,
         device_type=device_type,
     )
+    for name in set(plan) - set(specs):
+        del plan[name]
     for name, (kind, arg) in specs.items():
         if kind == "custom":
             plan[name] = _custom_sharding(arg, device_type, world_size)
