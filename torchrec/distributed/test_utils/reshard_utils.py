@@ -463,13 +463,34 @@ def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> None
 def assert_optimizer_states_equal(
     a: ShardedEmbeddingBagCollection, b: ShardedEmbeddingBagCollection
 ) -> None:
-    """The fused optimizer state dicts are equal, bit for bit."""
+    """
+    The fused optimizer state dicts hold the same keys and are equal, bit for
+    bit, and every table trains with the same learning rate. (The order of the
+    keys and the number of param groups follow the fbgemm kernels, one per
+    group of tables, and a reshard keeps the kernel of tables that stay put
+    apart from the kernel of tables that arrive; keys are what loading uses.)
+    """
     sa = a.fused_optimizer.state_dict()
     sb = b.fused_optimizer.state_dict()
-    assert_state_dicts_equal(sa["state"], sb["state"])
-    lrs_a = [g["lr"] for g in a.fused_optimizer.param_groups]
-    lrs_b = [g["lr"] for g in b.fused_optimizer.param_groups]
+    assert_state_dicts_equal(
+        dict(sorted(sa["state"].items())), dict(sorted(sb["state"].items()))
+    )
+    lrs_a, lrs_b = _learning_rates(a), _learning_rates(b)
     assert lrs_a == lrs_b, (lrs_a, lrs_b)
+    groups_a = {g["lr"] for g in a.fused_optimizer.param_groups}
+    groups_b = {g["lr"] for g in b.fused_optimizer.param_groups}
+    assert groups_a == groups_b, (groups_a, groups_b)
+
+
+def _learning_rates(module: torch.nn.Module) -> Dict[str, float]:
+    """The learning rate of every local table's fused kernel."""
+    rates: Dict[str, float] = {}
+    for submodule in module.modules():
+        kernel = getattr(submodule, "_emb_module", None)
+        if kernel is not None and hasattr(kernel, "get_learning_rate"):
+            for table in submodule.config.embedding_tables:
+                rates[table.name] = kernel.get_learning_rate()
+    return rates
 
 
 def train_step(
@@ -481,10 +502,12 @@ def train_step(
     One forward/backward (the fused optimizer steps inside backward).
 
     Returns:
-        torch.Tensor: the pooled embeddings of the forward.
+        torch.Tensor: the pooled embeddings of the forward, features in sorted
+        order (the order of a KeyedTensor's keys depends on how the tables are
+        grouped into kernels; its content per key does not).
     """
-    out = module(batch).wait()
-    values = out.values()
+    pooled = module(batch).wait().to_dict()
+    values = torch.cat([pooled[key] for key in sorted(pooled)], dim=1)
     (values.float() ** 2).sum().backward()
     if dense_optimizer is not None:
         dense_optimizer.step()

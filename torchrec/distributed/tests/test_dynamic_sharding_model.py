@@ -64,12 +64,14 @@ class _SparseArch(nn.Module):
         self.seq = seq
 
     def forward(self, features: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
+        # Pooled embeddings are read by key, as in DLRM: the key order of a
+        # sharded EBC's KeyedTensor depends on the plan and kernel grouping.
+        pooled_a = self.sparse_a(features[0]).to_dict()
+        pooled_b = self.sparse_b(features[1]).to_dict()
         sequences = self.seq(features[2])
         return torch.cat(
-            [
-                self.sparse_a(features[0]).values().flatten(),
-                self.sparse_b(features[1]).values().flatten(),
-            ]
+            [pooled_a[k].flatten() for k in sorted(pooled_a)]
+            + [pooled_b[k].flatten() for k in sorted(pooled_b)]
             + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
         )
 
