@@ -10,7 +10,9 @@ Live resharding of sharded embedding modules.
 
 * ``plan`` — pure: layouts as rectangles, transfers, validation;
 * ``exchange`` — collectives: agreement and the all-to-all of the pieces;
-* ``install`` — module surgery: build the new groups, fill them, swap them in.
+* ``install`` — module surgery: build the new groups, fill them, swap them in;
+* ``storage`` — kernel memory: no initialisation of new lookups, kept tables
+  keep their storage, pages of departed tables go back to the OS.
 """
 
 from torchrec.distributed.resharding.plan import (  # noqa

@@ -14,8 +14,9 @@ A reshard of an EBC runs in five steps:
    with every other rank (one small collective) — nothing has moved yet;
 2. **build** the sharding groups whose tables or placements change, detached
    from the module (lookups allocated once at their final size, not randomly
-   initialised); groups the delta does not touch keep their sharding, lookup and
-   output dist objects;
+   initialised; on CPU the tables of a rebuilt group that the delta does not
+   change keep their kernel's storage, see ``storage``); groups the delta does
+   not touch keep their sharding, lookup and output dist objects;
 3. **plan** the transfers between the old and the new rectangles of every
    table in the rebuilt groups;
 4. **exchange**: pieces that stay on a rank are copied locally, the others go
@@ -23,7 +24,8 @@ A reshard of an EBC runs in five steps:
    fused optimizer state;
 5. **swap** the new groups into the module and rebuild what depends on them
    (output dists and permutation, input dists on the next forward, the
-   combined fused optimizer, the state-dict views).
+   combined fused optimizer, the state-dict views), then give the pages of
+   departed tables back to the OS.
 
 Until step 5 the module is untouched, so a failure anywhere before it leaves
 the module exactly as it was.
@@ -37,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import (
+    AbstractSet,
     Any,
     Callable,
     Dict,
@@ -48,7 +51,6 @@ from typing import (
     Tuple,
 )
 
-import fbgemm_gpu.split_table_batched_embeddings_ops_training as tbe_training
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -83,6 +85,12 @@ from torchrec.distributed.resharding.plan import (
     Transfer,
     validate_parameter_sharding,
 )
+from torchrec.distributed.resharding.storage import (
+    building_lookups,
+    KeptStorage,
+    split_kept_tables,
+    storage_reuse_supported,
+)
 from torchrec.distributed.sharding.dp_sharding import DpPooledEmbeddingSharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.distributed.utils import (
@@ -109,6 +117,10 @@ class ReshardReport:
         bytes_sent (int): bytes this rank sent to other ranks.
         bytes_received (int): bytes this rank received from other ranks.
         bytes_copied_locally (int): bytes of pieces that stayed on this rank.
+        tables_kept_in_place (List[str]): tables of rebuilt groups that kept
+            this rank's storage (nothing copied, see ``storage``).
+        bytes_kept_in_place (int): bytes of those tables on this rank.
+        bytes_released (int): bytes of departed tables given back to the OS.
         seconds (float): wall time of the reshard on this rank.
     """
 
@@ -118,6 +130,9 @@ class ReshardReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_locally: int = 0
+    tables_kept_in_place: List[str] = field(default_factory=list)
+    bytes_kept_in_place: int = 0
+    bytes_released: int = 0
     seconds: float = 0.0
 
 
@@ -244,61 +259,6 @@ def _to_fields(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
         Field(name, kind, getattr(torch, dtype.replace("torch.", "")))
         for name, kind, dtype in described
     ]
-
-
-def _uninitialized(*size: Any, **kwargs: Any) -> torch.Tensor:
-    kwargs.pop("generator", None)
-    return torch.empty(*size, **kwargs)
-
-
-# The host buffers of a fused kernel that the reshard overwrites entirely:
-# weights from the pieces, optimizer state from the pieces or, where no piece
-# carries it, zeroed by ``_zero_undelivered_state``.
-_FILLED_HOST_BUFFERS = ("weights", "momentum1", "momentum2")
-
-
-def _host_buffers_unfilled(original: Callable[..., None]) -> Callable[..., None]:
-    def apply_split_helper(*args: Any, **kwargs: Any) -> None:
-        current_device, split, prefix, dtype = args[2], args[5], args[6], args[7]
-        if (
-            prefix in _FILLED_HOST_BUFFERS
-            and split.host_size > 0
-            and kwargs.get("preallocated_host_buffer") is None
-        ):
-            kwargs["preallocated_host_buffer"] = torch.empty(
-                split.host_size, dtype=dtype, device=current_device
-            )
-        original(*args, **kwargs)
-
-    return apply_split_helper
-
-
-@contextlib.contextmanager
-def _no_random_init() -> Iterator[None]:
-    """
-    New lookups are overwritten from the exchanged pieces right away, so the
-    initialisation their constructors run is wasted work (for large tables,
-    most of a reshard's time): while the lookups are built, TorchRec's random
-    ``init_parameters``, the ``torch.randn`` fbgemm's dense kernel fills its
-    weights with, and the zero fill of a fused kernel's weight and optimizer
-    host buffers (which fbgemm lets a caller preallocate) are skipped. Only the
-    fused kernel has a switch for this, per constructor call, hence the hook.
-    """
-    classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
-    originals = [cls.init_parameters for cls in classes]
-    randn = torch.randn
-    split_helper = tbe_training.apply_split_helper
-    for cls in classes:
-        cls.init_parameters = lambda self: None  # pyre-ignore[8]
-    torch.randn = _uninitialized  # pyre-ignore[9]
-    tbe_training.apply_split_helper = _host_buffers_unfilled(split_helper)
-    try:
-        yield
-    finally:
-        tbe_training.apply_split_helper = split_helper
-        torch.randn = randn  # pyre-ignore[9]
-        for cls, original in zip(classes, originals):
-            cls.init_parameters = original  # pyre-ignore[8]
 
 
 class ShardedModuleAdapter:
@@ -499,6 +459,7 @@ def _build_groups(
     changed_types: Sequence[str],
     env: ShardingEnv,
     device: Optional[torch.device],
+    reuse: Optional[KeptStorage] = None,
 ) -> _Groups:
     current = {
         t: (sharding, lookup, dist_) for t, sharding, lookup, dist_ in adapter.groups()
@@ -512,7 +473,7 @@ def _build_groups(
             groups.kept_output_dists.append(output_dist)
             continue
         sharding = adapter.create_sharding(infos, env, device)
-        with _no_random_init():
+        with building_lookups(reuse):
             lookup = sharding.create_lookup()
         groups.shardings.append(sharding)
         groups.lookups.append(lookup)
@@ -831,6 +792,11 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
         module._initialize_torch_state(skip_registering=True)
 
 
+def _reshard_generation(module: nn.Module) -> int:
+    """How many reshards the module went through (the same on every rank)."""
+    return int(getattr(module, "_reshard_generation", 0))
+
+
 def _planned_tables(
     adapter: ShardedModuleAdapter,
     new_infos: Mapping[str, Sequence[EmbeddingShardingInfo]],
@@ -905,14 +871,36 @@ def _abandon_exchange_group(group: dist.ProcessGroup, pg: dist.ProcessGroup) -> 
 def _zero_undelivered_state(
     new_slots: Mapping[Tuple[str, Rect], LocalSlot],
     fields: Mapping[str, Sequence[Field]],
+    in_place: AbstractSet[Tuple[str, Rect]],
 ) -> None:
     # State no piece carries (e.g. a dense or data-parallel table turning
-    # fused) starts from zero, as in a freshly built kernel.
-    for (table, _), slot in new_slots.items():
-        delivered = {f.name for f in fields.get(table, [])}
+    # fused) starts from zero, as in a freshly built kernel. Slots kept in
+    # place are live state of the module and never touched.
+    for key, slot in new_slots.items():
+        if key in in_place:
+            continue
+        delivered = {f.name for f in fields.get(slot.table, [])}
         for name, tensor in slot.tensors.items():
             if name not in delivered:
                 tensor.zero_()
+
+
+def _kept_in_place(
+    old_slots: Mapping[Tuple[str, Rect], LocalSlot],
+    new_slots: Mapping[Tuple[str, Rect], LocalSlot],
+) -> List[Tuple[str, Rect]]:
+    """Slots whose new kernel took over the old storage (same memory)."""
+    kept = []
+    for key, new in new_slots.items():
+        old = old_slots.get(key)
+        if old is not None and all(
+            name in old.tensors
+            and tensor.data_ptr() == old.tensors[name].data_ptr()
+            and tensor.shape == old.tensors[name].shape
+            for name, tensor in new.tensors.items()
+        ):
+            kept.append(key)
+    return kept
 
 
 def _progress_bar(enabled: bool) -> Optional[Callable[[int, int], None]]:
@@ -949,9 +937,16 @@ def _fill_new_groups(
     """Copies the local pieces and receives the remote ones into the new groups."""
     old_slots = local_slots(module._lookups)
     new_slots = local_slots(groups.new_lookups)
+    in_place = set(_kept_in_place(old_slots, new_slots))
+    for table, rect in in_place:
+        report.tables_kept_in_place.append(table)
+        report.bytes_kept_in_place += sum(
+            t.numel() * t.element_size()
+            for t in new_slots[(table, rect)].tensors.values()
+        )
     merges = _RowwiseMerges()
     with torch.no_grad():
-        _zero_undelivered_state(new_slots, fields)
+        _zero_undelivered_state(new_slots, fields, in_place)
 
     def read_piece(t: Transfer, f: Field) -> torch.Tensor:
         if _exchange_fault_hook is not None:
@@ -960,6 +955,8 @@ def _fill_new_groups(
 
     with torch.no_grad():
         for transfer in plan.local_copies(rank):
+            if (transfer.table, transfer.dst_rect) in in_place:
+                continue  # the new kernel already holds it: same memory
             src = old_slots[(transfer.table, transfer.src_rect)]
             dst = new_slots[(transfer.table, transfer.dst_rect)]
             for f in fields[transfer.table]:
@@ -1063,6 +1060,7 @@ def reshard_sharded_module(
     report = ReshardReport(rank)
 
     error: Optional[str] = None
+    reuse: Optional[KeptStorage] = None
     changed_types: List[str] = []
     planned_tables: List[str] = []
     groups: Optional[_Groups] = None
@@ -1080,8 +1078,26 @@ def reshard_sharded_module(
             )
             for t in planned_tables
         }
+        if changed_types and storage_reuse_supported(device):
+            split_kept_tables(
+                new_infos,
+                changed_types,
+                set(changed_sharding_params),
+                _reshard_generation(module) + 1,
+            )
+            reuse = KeptStorage(
+                [
+                    batched
+                    for t, _, lookup, _ in adapter.groups()
+                    if t in changed_types
+                    for batched in _batched_modules(lookup)
+                ],
+                set(planned_tables) - set(changed_sharding_params),
+            )
         if changed_types:
-            groups = _build_groups(adapter, new_infos, changed_types, env, device)
+            groups = _build_groups(
+                adapter, new_infos, changed_types, env, device, reuse
+            )
             _check_built_layouts(groups, layouts_after, rank)
     except ReshardError as e:
         error = str(e)
@@ -1125,6 +1141,9 @@ def reshard_sharded_module(
         ) from e
 
     adapter.swap(groups, changed_sharding_params)
+    module._reshard_generation = _reshard_generation(module) + 1
+    if reuse is not None:
+        report.bytes_released = reuse.release_departed_pages()
     report.tables_moved = [
         t for t in planned_tables if old_layouts[t] != layouts_after[t]
     ]
@@ -1132,13 +1151,15 @@ def reshard_sharded_module(
     report.seconds = time.perf_counter() - start
     logger.info(
         "reshard rank %d: moved %s, rebuilt %d tables, sent %d B, received %d B, "
-        "copied locally %d B in %.3f s",
+        "copied locally %d B, kept in place %d B, released %d B in %.3f s",
         rank,
         report.tables_moved,
         len(report.tables_rebuilt),
         report.bytes_sent,
         report.bytes_received,
         report.bytes_copied_locally,
+        report.bytes_kept_in_place,
+        report.bytes_released,
         report.seconds,
     )
     return report

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+"""
+Multi-process tests of how a reshard treats the memory of tables that stay put
+(``torchrec.distributed.resharding.storage``): on CPU their kernels keep the old
+storage (same addresses, nothing copied), the pages of departed tables go back
+to the OS, and a group never holds more than ``MAX_KERNELS_PER_GROUP`` kernels.
+Every case is also checked against a module sharded directly with the new plan
+(state, optimizer state, training), as in test_dynamic_sharding.
+"""
+
+import mmap
+import unittest
+from typing import Dict, List
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.resharding.install import (
+    _batched_modules,
+    local_slots,
+    reshard_embedding_bag_collection,
+    ReshardReport,
+)
+from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.test_utils.reshard_utils import (
+    assert_optimizer_states_equal,
+    assert_state_dicts_equal,
+    delta,
+    global_optimizer_state,
+    global_weights,
+    load_global_state,
+    make_batches,
+    make_ebc,
+    make_plan,
+    make_sharder,
+    process_group,
+    ReshardTestBase,
+    shard,
+    TableSpec,
+    train_step,
+)
+from torchrec.distributed.types import ShardingEnv
+
+FUSED = EmbeddingComputeKernel.FUSED.value
+DENSE = EmbeddingComputeKernel.DENSE.value
+ROWS, DIM = 64, 64  # 16 KiB of fp32 weights per table: several whole pages
+
+
+def _addresses(module: torch.nn.Module) -> Dict[str, Dict[str, int]]:
+    """table -> {tensor name -> address} of every local table."""
+    return {
+        table: {name: t.data_ptr() for name, t in slot.tensors.items()}
+        for (table, _), slot in local_slots(module._lookups).items()
+    }
+
+
+def _kernel_count(module: torch.nn.Module) -> int:
+    return sum(1 for lookup in module._lookups for _ in _batched_modules(lookup))
+
+
+def _reshard_and_compare(
+    module: torch.nn.Module,
+    ebc: torch.nn.Module,
+    sharder: torch.nn.Module,
+    old: Dict[str, object],
+    new: Dict[str, object],
+    env: ShardingEnv,
+    device: torch.device,
+    batch: object,
+    kernel: str,
+) -> ReshardReport:
+    """Reshards ``module`` from ``old`` to ``new`` and checks it against a
+    module sharded directly with ``new``, then trains both one step."""
+    pg = env.process_group
+    shapes = {
+        f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
+        for c in ebc.embedding_bag_configs()
+    }
+    weights = global_weights(module, pg)
+    opt_state = global_optimizer_state(module, pg, shapes)
+    report = reshard_embedding_bag_collection(module, delta(old, new), env, device)
+    reference = shard(ebc, sharder, new, env, device)
+    load_global_state(reference, weights, opt_state)
+    assert_state_dicts_equal(reference.state_dict(), module.state_dict())
+    assert_optimizer_states_equal(reference, module)
+    dense = [
+        torch.optim.SGD(m.parameters(), lr=0.05) if kernel == DENSE else None
+        for m in (reference, module)
+    ]
+    out_ref = train_step(reference, batch.to(device), dense[0])
+    out = train_step(module, batch.to(device), dense[1])
+    assert torch.equal(out_ref, out), (out_ref, out)
+    assert_state_dicts_equal(reference.state_dict(), module.state_dict())
+    assert_optimizer_states_equal(reference, module)
+    return report
+
+
+def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> None:
+    """
+    t0, t1 on rank 0 and t2, t3 on rank 1; t1 moves to rank 1 and back. The
+    tables that stay keep their addresses (weights and optimizer state) and
+    are not copied; t1's pages on rank 0 are released when it leaves.
+    """
+    with process_group(rank, world_size, port) as (pg, device):
+        specs: List[Dict[str, TableSpec]] = [
+            {
+                "t0": ("table_wise", 0),
+                "t1": ("table_wise", t1_rank),
+                "t2": ("table_wise", 1),
+                "t3": ("table_wise", 1),
+            }
+            for t1_rank in (0, 1, 0)
+        ]
+        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
+        sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)
+        env = ShardingEnv(world_size, rank, pg)
+        plans = [make_plan(ebc, s, world_size, world_size, kernel) for s in specs]
+        batches = make_batches(4, [ROWS] * 4, 3, 4, seed=2)
+        module = shard(ebc, sharder, plans[0], env, device)
+        train_step(module, batches[0])
+
+        departed = ROWS * DIM * 4
+        before = _addresses(module)
+        report = _reshard_and_compare(
+            module, ebc, sharder, plans[0], plans[1], env, device, batches[1], kernel
+        )
+        stays = ["t0"] if rank == 0 else ["t2", "t3"]
+        assert sorted(report.tables_kept_in_place) == stays, report
+        assert report.bytes_copied_locally == 0, report
+        after = _addresses(module)
+        for table in stays:
+            assert after[table] == before[table], (table, before, after)
+        if rank == 0:
+            assert report.bytes_released >= departed - 2 * mmap.PAGESIZE, report
+        else:
+            assert report.bytes_released == 0, report
+            assert _kernel_count(module) == 2  # the kept kernel + t1's
+
+        before = _addresses(module)
+        report = _reshard_and_compare(
+            module, ebc, sharder, plans[1], plans[2], env, device, batches[2], kernel
+        )
+        assert sorted(report.tables_kept_in_place) == stays, report
+        after = _addresses(module)
+        for table in stays:
+            assert after[table] == before[table], (table, before, after)
+        # t1 leaves rank 1 with its whole kernel: its pages are released at
+        # once, not when Python's cycle collector gets to the old kernel.
+        if rank == 1:
+            assert report.bytes_released >= departed - 2 * mmap.PAGESIZE, report
+        else:
+            assert report.bytes_released == 0, report
+        assert _kernel_count(module) == (2 if rank == 0 else 1)
+
+
+def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
+    """
+    Tables move to rank 0 one reshard at a time; each arrival gets a kernel,
+    until the group would hold more than MAX_KERNELS_PER_GROUP batch keys:
+    then it is rebuilt as one kernel (tables that stay are copied).
+    """
+    moves = MAX_KERNELS_PER_GROUP
+    num_tables = moves + 2
+    with process_group(rank, world_size, port) as (pg, device):
+        ebc = make_ebc(num_tables, dims=[DIM] * num_tables, rows=[ROWS] * num_tables)
+        sharder = make_sharder("rowwise_adagrad")
+        env = ShardingEnv(world_size, rank, pg)
+        specs = [
+            {f"t{i}": ("table_wise", 0 if i < k else 1) for i in range(num_tables)}
+            for k in range(moves + 1)
+        ]
+        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
+        batches = make_batches(num_tables, [ROWS] * num_tables, moves, 4, seed=3)
+        module = shard(ebc, sharder, plans[0], env, device)
+        counts: List[int] = []
+        reports: List[ReshardReport] = []
+        for k in range(moves):
+            reports.append(
+                _reshard_and_compare(
+                    module,
+                    ebc,
+                    sharder,
+                    plans[k],
+                    plans[k + 1],
+                    env,
+                    device,
+                    batches[k],
+                    FUSED,
+                )
+            )
+            counts.append(_kernel_count(module))
+        assert max(counts) <= MAX_KERNELS_PER_GROUP, counts
+        assert all(r.bytes_copied_locally == 0 for r in reports[:-1]), reports
+        if rank == 0:
+            # one kernel per arrival, then the whole group merged into one:
+            # the tables that stayed are copied into it
+            assert counts == list(range(1, moves)) + [1], counts
+            assert reports[-1].tables_kept_in_place == [], reports[-1]
+            assert reports[-1].bytes_copied_locally > 0, reports[-1]
+        else:
+            # the tables left on rank 1 all come from its one old kernel: kept
+            assert counts == [1] * moves, counts
+            assert sorted(reports[-1].tables_kept_in_place) == ["t4", "t5"]
+            assert reports[-1].bytes_copied_locally == 0, reports[-1]
+
+
+class ReshardStorageTest(ReshardTestBase):
+    def test_kept_tables_keep_their_storage_fused(self) -> None:
+        self.run_ranks(_run_kept_in_place, kernel=FUSED)
+
+    def test_kept_tables_keep_their_storage_dense(self) -> None:
+        self.run_ranks(_run_kept_in_place, kernel=DENSE)
+
+    def test_kernels_per_group_stay_bounded(self) -> None:
+        self.run_ranks(_run_kernels_bounded)
+
+
+if __name__ == "__main__":
+    unittest.main()
