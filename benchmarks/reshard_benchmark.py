@@ -92,12 +92,16 @@ def reset_hwm() -> bool:
 
 
 class PeakMemory:
-    """Peak extra resident memory of a region: VmHWM after - VmRSS before."""
+    """
+    Peak extra resident memory of a region (VmHWM after - VmRSS before) and
+    the memory it still holds at its end (VmRSS after - VmRSS before).
+    """
 
     def __init__(self, resettable: bool) -> None:
         self.resettable = resettable
         self.rss_before = 0
         self.extra_bytes = 0
+        self.held_bytes = 0
 
     def __enter__(self) -> "PeakMemory":
         gc.collect()
@@ -108,6 +112,7 @@ class PeakMemory:
 
     def __exit__(self, *exc: Any) -> None:
         self.extra_bytes = max(0, _status_kib("VmHWM") - self.rss_before) * 1024
+        self.held_bytes = (_status_kib("VmRSS") - self.rss_before) * 1024
 
 
 # ------------------------------------------------------------- the model ----
@@ -181,10 +186,10 @@ def make_sharder(kernel: str, optimizer: str) -> Any:
 def shard(
     ebc: Any, plan: Any, env: Any, kernel: str, optimizer: str, random_init: bool
 ) -> Any:
-    from torchrec.distributed.resharding.install import _no_random_init
+    from torchrec.distributed.resharding.storage import building_lookups
 
     sharder = make_sharder(kernel, optimizer)
-    ctx = contextlib.nullcontext() if random_init else _no_random_init()
+    ctx = contextlib.nullcontext() if random_init else building_lookups()
     with ctx:
         return sharder.shard(ebc, plan, env, torch.device("cpu"))
 
@@ -324,14 +329,16 @@ class Breakdown:
 # --------------------------------------------------------------- methods ----
 
 
-def timed(pg: Any, resettable: bool, fn: Callable[[], Any]) -> Tuple[float, int, Any]:
+def timed(
+    pg: Any, resettable: bool, fn: Callable[[], Any]
+) -> Tuple[float, PeakMemory, Any]:
     with PeakMemory(resettable) as mem:
         dist.barrier(group=pg)
         t0 = time.perf_counter()
         out = fn()
         dist.barrier(group=pg)
         seconds = time.perf_counter() - t0
-    return seconds, mem.extra_bytes, out
+    return seconds, mem, out
 
 
 def run_floor(
@@ -351,7 +358,7 @@ def run_floor(
         recv_splits[(rank - 1) % ws] = n
     send = torch.full((n,), float(rank + 1))  # touched: the data exists
     recv_warm = torch.ones(n) if method == "a2a_warm" else None
-    times, peaks = [], []
+    times, peaks, held = [], [], []
     for rep in range(args.warmup + args.reps):
         recv: Optional[torch.Tensor] = None
 
@@ -369,10 +376,12 @@ def run_floor(
         del recv
         if rep >= args.warmup:
             times.append(s)
-            peaks.append(peak)
+            peaks.append(peak.extra_bytes)
+            held.append(peak.held_bytes)
     return {
         "times": times,
         "peaks": peaks,
+        "held": held,
         "moved_bytes": size,
         "bound_bytes": 0 if method == "a2a_warm" else size,
     }
@@ -406,7 +415,7 @@ def run_fork(
     module = shard(ebc, plans[0], env, kernel, args.optimizer, random_init=False)
     fill(module)
     expected = expected_fingerprints(module, pg)
-    times, peaks, reports, bounds, breakdowns = [], [], [], [], []
+    times, peaks, held, reports, bounds, breakdowns = [], [], [], [], [], []
     current = 0
     for rep in range(args.warmup + args.reps):
         target = 1 - current
@@ -427,13 +436,16 @@ def run_fork(
         bound = _new_local_bytes(module, report.tables_rebuilt) + inflight
         if rep >= args.warmup:
             times.append(s)
-            peaks.append(peak)
+            peaks.append(peak.extra_bytes)
+            held.append(peak.held_bytes)
             bounds.append(bound)
             reports.append(
                 {
                     "bytes_sent": report.bytes_sent,
                     "bytes_received": report.bytes_received,
                     "bytes_copied_locally": report.bytes_copied_locally,
+                    "bytes_kept_in_place": report.bytes_kept_in_place,
+                    "bytes_released": report.bytes_released,
                     "tables_rebuilt": len(report.tables_rebuilt),
                     "seconds": report.seconds,
                 }
@@ -446,6 +458,7 @@ def run_fork(
     return {
         "times": times,
         "peaks": peaks,
+        "held": held,
         "moved_bytes": sent,
         "bytes_per_row": sent / moved_rows,
         "bound_bytes": max(bounds),
@@ -473,7 +486,7 @@ def run_ckpt(
     fill(holder["m"])
     expected = expected_fingerprints(holder["m"], pg)
     base = args.ckpt_dir or tempfile.gettempdir()
-    times, peaks, breakdowns = [], [], []
+    times, peaks, held, breakdowns = [], [], [], []
     current = 0
     for rep in range(args.warmup + args.reps):
         target = 1 - current
@@ -517,13 +530,15 @@ def run_ckpt(
             shutil.rmtree(path, ignore_errors=True)
         if rep >= args.warmup:
             times.append(s)
-            peaks.append(peak)
+            peaks.append(peak.extra_bytes)
+            held.append(peak.held_bytes)
             breakdowns.append(bd)
     del holder
     gc.collect()
     return {
         "times": times,
         "peaks": peaks,
+        "held": held,
         "moved_bytes": None,
         "bound_bytes": None,
         "breakdown": breakdowns,
@@ -628,6 +643,7 @@ def summarise(
             "median_s": statistics.median(times),
             "peak_extra_mib_per_rank": [max(r["peaks"]) / MiB for r in ranks],
             "peak_extra_mib": max(max(r["peaks"]) for r in ranks) / MiB,
+            "held_mib": max(max(r["held"]) for r in ranks) / MiB,
             "moved_mib_per_rank": (
                 (r0["moved_bytes"] / MiB) if r0.get("moved_bytes") else None
             ),
@@ -662,14 +678,14 @@ def _fmt(x: Optional[float], spec: str) -> str:
 
 def print_table(rows: List[Dict[str, Any]], header: str) -> str:
     lines = [header]
-    cols = f"{'size MiB':>8} {'method':<10} {'min s':>8} {'median s':>8} {'x warm':>7} {'x fresh':>7} {'x ckpt':>7} {'peak MiB':>9} {'bound MiB':>9} {'moved MiB':>9} {'B/row':>6}"
+    cols = f"{'size MiB':>8} {'method':<10} {'min s':>8} {'median s':>8} {'x warm':>7} {'x fresh':>7} {'x ckpt':>7} {'peak MiB':>9} {'held MiB':>9} {'bound MiB':>9} {'moved MiB':>9} {'B/row':>6}"
     lines.append(cols)
     lines.append("-" * len(cols))
     for r in rows:
         lines.append(
             f"{r['size_mib']:>8} {r['method']:<10} {r['min_s']:>8.3f} {r['median_s']:>8.3f} "
             f"{_fmt(r['x_warm'], '7.2f'):>7} {_fmt(r['x_fresh'], '7.2f'):>7} {_fmt(r['x_ckpt'], '7.2f'):>7} "
-            f"{r['peak_extra_mib']:>9.0f} {_fmt(r['bound_mib'], '9.0f'):>9} "
+            f"{r['peak_extra_mib']:>9.0f} {r['held_mib']:>9.0f} {_fmt(r['bound_mib'], '9.0f'):>9} "
             f"{_fmt(r['moved_mib_per_rank'], '9.1f'):>9} {_fmt(r['bytes_per_row'], '6.0f'):>6}"
         )
     text = "\n".join(lines)

@@ -905,23 +905,33 @@ def print_report(
             f"{'yes' if t in moved else '-'}"
         )
     out.append(f"tables moved: {', '.join(moved) if moved else 'none'}")
-    rebuilt = sorted(
-        {t for r, _ in reports for t in r["tables_rebuilt"]} - set(moved),
+    kept = sorted(
+        {t for r, _ in reports for t in r["tables_kept_in_place"]} - set(moved),
         key=lambda t: int(t[1:]),
     )
-    if rebuilt:
+    copied = sorted(
+        {t for r, _ in reports for t in r["tables_rebuilt"]} - set(moved) - set(kept),
+        key=lambda t: int(t[1:]),
+    )
+    if kept:
+        out.append(
+            "tables not moved, in a rebuilt group, kept in place (not copied): "
+            + ", ".join(kept)
+        )
+    if copied:
         out.append(
             "tables not moved but rebuilt with their group (copied locally): "
-            + ", ".join(rebuilt)
+            + ", ".join(copied)
         )
     out.append(
         f"{'rank':<6}{'sent B':>12}{'received B':>12}{'local copy B':>14}"
-        f"{'reshard s':>11}"
+        f"{'kept B':>12}{'released B':>12}{'reshard s':>11}"
     )
     for r, wall in reports:
         out.append(
             f"{r['rank']:<6}{r['bytes_sent']:>12}{r['bytes_received']:>12}"
-            f"{r['bytes_copied_locally']:>14}{wall:>11.4f}"
+            f"{r['bytes_copied_locally']:>14}{r['bytes_kept_in_place']:>12}"
+            f"{r['bytes_released']:>12}{wall:>11.4f}"
         )
     out.append(
         f"reshard time (slowest rank): {max(w for _, w in reports):.4f} s; "
