@@ -35,6 +35,7 @@ import contextlib
 import copy
 import logging
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -822,8 +823,14 @@ def _planned_tables(
 _exchange_fault_hook: Optional[Callable[[Transfer], None]] = None
 
 
-# Dedicated exchange groups, by (id of the module's group, timeout).
-_exchange_groups: Dict[Tuple[int, Optional[timedelta]], dist.ProcessGroup] = {}
+# Dedicated exchange groups, by (id of the module's group, timeout), with a
+# weak reference to the module's group: an entry whose group is gone (its id
+# reused by a new group) is stale, and holding the group itself would keep it
+# alive past destroy_process_group.
+_exchange_groups: Dict[
+    Tuple[int, Optional[timedelta]],
+    Tuple["weakref.ref[dist.ProcessGroup]", dist.ProcessGroup],
+] = {}
 
 
 def _exchange_group(
@@ -845,21 +852,24 @@ def _exchange_group(
     """
     key = (id(pg), timeout)
     if key in _exchange_groups:
-        return _exchange_groups[key]
+        owner, group = _exchange_groups[key]
+        if owner() is pg:
+            return group
+        del _exchange_groups[key]  # stale: made for a group that is gone
     if dist.get_world_size(pg) != dist.get_world_size():
         return pg
     kwargs: Dict[str, Any] = {"backend": dist.get_backend(pg)}
     if timeout is not None:
         kwargs["timeout"] = timeout
     group = dist.new_group(ranks=list(range(dist.get_world_size())), **kwargs)
-    _exchange_groups[key] = group
+    _exchange_groups[key] = (weakref.ref(pg), group)
     return group
 
 
 def _abandon_exchange_group(group: dist.ProcessGroup, pg: dist.ProcessGroup) -> None:
     # Closing the group wakes peers still blocked in it with an error instead
     # of letting them wait for their timeout; the next reshard makes a new one.
-    for key, cached in list(_exchange_groups.items()):
+    for key, (_, cached) in list(_exchange_groups.items()):
         if cached is group:
             del _exchange_groups[key]
     if group is pg:

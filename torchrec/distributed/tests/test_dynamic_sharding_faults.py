@@ -14,6 +14,7 @@ its old plan, bit-equal to an untouched copy; a later reshard must still work.
 
 import time
 import unittest
+import weakref
 from datetime import timedelta
 from typing import Any, List
 
@@ -36,15 +37,19 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.types import ShardingEnv
 
+# t3 stays put in the rebuilt table-wise group: on CPU its new kernel shares
+# the old kernel's storage, which an aborted reshard must leave intact.
 PLAN_A = {
     "t0": ("table_wise", 0),
     "t1": ("column_wise", [0, 1]),
     "t2": ("row_wise", None),
+    "t3": ("table_wise", 0),
 }
 PLAN_B = {
     "t0": ("table_wise", 1),
     "t1": ("table_wise", 0),
     "t2": ("column_wise", [1, 0]),
+    "t3": ("table_wise", 0),
 }
 EXCHANGE_TIMEOUT = timedelta(seconds=5)
 
@@ -66,13 +71,13 @@ def _stall_past_timeout(transfer: Transfer) -> None:
 
 def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
     with process_group(rank, world_size, port, timeout_s=90) as (pg, device):
-        ebc = make_ebc(3)
+        ebc = make_ebc(4)
         rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
         sharder = make_sharder("rowwise_adagrad")
         env = ShardingEnv.from_process_group(pg)
         plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
         plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
-        batches = make_batches(3, rows, 4, 4, seed=5)
+        batches = make_batches(4, rows, 4, 4, seed=5)
 
         module = shard(ebc, sharder, plan_a, env, device)
         reference = shard(ebc, sharder, plan_a, env, device)
@@ -121,7 +126,31 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         )
 
 
+def _run_stale_exchange_group(rank: int, world_size: int, port: str) -> None:
+    """A cached exchange group made for a group that is gone (whose id a new
+    group reuses) is not handed out."""
+    with process_group(rank, world_size, port) as (pg, _):
+        gone = dist.new_group(ranks=list(range(world_size)))
+        key = (id(pg), None)
+        install._exchange_groups[key] = (weakref.ref(gone), gone)
+        try:
+            group = install._exchange_group(pg, None)
+            assert group is not gone
+            assert install._exchange_groups[key][0]() is pg
+            assert install._exchange_group(pg, None) is group  # cached now
+            out = torch.zeros(world_size)
+            dist.all_to_all_single(
+                out, torch.full((world_size,), rank + 1.0), group=group
+            )
+            assert out.tolist() == [r + 1.0 for r in range(world_size)]
+        finally:
+            install._exchange_groups.pop(key, None)
+
+
 class DynamicShardingFaultTest(ReshardTestBase):
+    def test_stale_exchange_group_is_not_reused(self) -> None:
+        self.run_ranks(_run_stale_exchange_group, 2)
+
     def test_rank_raises_mid_exchange(self) -> None:
         self.run_ranks(
             _run_fault_case,
