@@ -332,6 +332,8 @@ class _BuildState(threading.local):
 
 
 _build_state = _BuildState()
+# Builds of two reshards in different threads take turns: the hooks are global.
+_build_lock = threading.RLock()
 
 
 def _remember_config(original: Callable[..., None]) -> Callable[..., None]:
@@ -447,7 +449,8 @@ def building_lookups(reuse: Optional[KeptStorage] = None) -> Iterator[None]:
     kernel take that kernel's storage (``reuse``) instead of allocating.
     Only the fused kernel has a switch for the zero fill (a preallocated host
     buffer per constructor call), hence the hooks; they are scoped to the
-    build and not safe against other threads building modules meanwhile.
+    build, builds of reshards in other threads wait for it, but a module built
+    by other code in another thread meanwhile would see them too.
 
     Args:
         reuse (Optional[KeptStorage]): old storage of kept tables, or None.
@@ -455,6 +458,12 @@ def building_lookups(reuse: Optional[KeptStorage] = None) -> Iterator[None]:
     Returns:
         Iterator[None]: a context manager.
     """
+    with _build_lock, _build_hooks(reuse):
+        yield
+
+
+@contextlib.contextmanager
+def _build_hooks(reuse: Optional[KeptStorage]) -> Iterator[None]:
     classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
     saved_inits = [(cls, cls.__init__, cls.init_parameters) for cls in classes]
     randn = torch.randn

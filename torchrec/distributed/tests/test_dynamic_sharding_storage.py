@@ -20,6 +20,7 @@ from typing import Dict, List
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.resharding import install
 from torchrec.distributed.resharding.install import (
     _batched_modules,
     local_slots,
@@ -158,6 +159,34 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
         assert _kernel_count(module) == (2 if rank == 0 else 1)
 
 
+def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
+    """
+    Where pages cannot be released (devices other than CPU), a rebuilt group
+    is one kernel again and the tables that stay are copied locally; the
+    result is the same.
+    """
+    install.storage_reuse_supported = lambda device: False
+    with process_group(rank, world_size, port) as (pg, device):
+        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
+        sharder = make_sharder("rowwise_adagrad")
+        env = ShardingEnv(world_size, rank, pg)
+        specs: List[Dict[str, TableSpec]] = [
+            {f"t{i}": ("table_wise", (i + shift) // 2 % 2) for i in range(4)}
+            for shift in (0, 1)
+        ]
+        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
+        batches = make_batches(4, [ROWS] * 4, 2, 4, seed=4)
+        module = shard(ebc, sharder, plans[0], env, device)
+        train_step(module, batches[0])
+        report = _reshard_and_compare(
+            module, ebc, sharder, plans[0], plans[1], env, device, batches[1], FUSED
+        )
+        assert report.tables_kept_in_place == [], report
+        assert report.bytes_copied_locally == ROWS * (DIM + 1) * 4, report
+        assert report.bytes_released == 0, report
+        assert _kernel_count(module) == 1
+
+
 def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
     """
     Tables move to rank 0 one reshard at a time; each arrival gets a kernel,
@@ -215,6 +244,9 @@ class ReshardStorageTest(ReshardTestBase):
 
     def test_kept_tables_keep_their_storage_dense(self) -> None:
         self.run_ranks(_run_kept_in_place, kernel=DENSE)
+
+    def test_kept_tables_copied_without_storage_reuse(self) -> None:
+        self.run_ranks(_run_without_storage_reuse)
 
     def test_kernels_per_group_stay_bounded(self) -> None:
         self.run_ranks(_run_kernels_bounded)
