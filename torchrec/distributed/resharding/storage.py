@@ -103,10 +103,20 @@ def _with_batch_key(info: EmbeddingShardingInfo, key: str) -> EmbeddingShardingI
     )
 
 
+def _user_key(info: EmbeddingShardingInfo) -> str:
+    return _batch_key(info).split(_RESHARD_TAG)[0]
+
+
 def _generation_key(info: EmbeddingShardingInfo, generation: int) -> str:
     # A user's own batch key is kept as the prefix, so their grouping holds.
-    base = _batch_key(info).split(_RESHARD_TAG)[0]
-    return f"{base}{_RESHARD_TAG}{generation}"
+    return f"{_user_key(info)}{_RESHARD_TAG}{generation}"
+
+
+def _most_kernels_per_user_key(infos: Sequence[EmbeddingShardingInfo]) -> int:
+    keys: Dict[str, Set[str]] = {}
+    for info in infos:
+        keys.setdefault(_user_key(info), set()).add(_batch_key(info))
+    return max((len(k) for k in keys.values()), default=0)
 
 
 def split_kept_tables(
@@ -119,8 +129,9 @@ def split_kept_tables(
     Gives the tables of rebuilt groups that the reshard changes a batch key of
     this reshard's generation, so TorchRec groups them into kernels apart from
     the tables that stay (which keep their key, hence their old grouping).
-    A group that would hold more than ``MAX_KERNELS_PER_GROUP`` batch keys gets
-    one key for all its tables instead (one kernel, kept tables copied).
+    A group that would split a user's batch key (none, by default) into more
+    than ``MAX_KERNELS_PER_GROUP`` keys gets one key of this generation per
+    user key instead (one kernel each, kept tables copied).
     Deterministic in its inputs, so every rank groups alike.
 
     Args:
@@ -138,7 +149,7 @@ def split_kept_tables(
         for i, info in enumerate(infos):
             if info.embedding_config.name in changed_tables:
                 infos[i] = _with_batch_key(info, _generation_key(info, generation))
-        if len({_batch_key(info) for info in infos}) > MAX_KERNELS_PER_GROUP:
+        if _most_kernels_per_user_key(infos) > MAX_KERNELS_PER_GROUP:
             for i, info in enumerate(infos):
                 infos[i] = _with_batch_key(info, _generation_key(info, generation))
 
