@@ -798,6 +798,37 @@ def _reshard_generation(module: nn.Module) -> int:
     return int(getattr(module, "_reshard_generation", 0))
 
 
+def _keep_storage_of_kept_tables(
+    adapter: ShardedModuleAdapter,
+    new_infos: Mapping[str, List[EmbeddingShardingInfo]],
+    changed_types: Sequence[str],
+    changed_sharding_params: Mapping[str, ParameterSharding],
+) -> KeptStorage:
+    """
+    Splits the rebuilt groups into kernels of kept and of changed tables (in
+    ``new_infos``) and returns where the kept ones find their old storage.
+    """
+    module = adapter.module
+    split_kept_tables(
+        new_infos,
+        changed_types,
+        set(changed_sharding_params),
+        _reshard_generation(module) + 1,
+    )
+    old_kernels = [
+        batched
+        for sharding_type, _, lookup, _ in adapter.groups()
+        if sharding_type in changed_types
+        for batched in _batched_modules(lookup)
+    ]
+    kept_tables = {
+        info.embedding_config.name
+        for sharding_type in changed_types
+        for info in new_infos[sharding_type]
+    } - set(changed_sharding_params)
+    return KeptStorage(old_kernels, kept_tables)
+
+
 def _planned_tables(
     adapter: ShardedModuleAdapter,
     new_infos: Mapping[str, Sequence[EmbeddingShardingInfo]],
@@ -1089,20 +1120,8 @@ def reshard_sharded_module(
             for t in planned_tables
         }
         if changed_types and storage_reuse_supported(device):
-            split_kept_tables(
-                new_infos,
-                changed_types,
-                set(changed_sharding_params),
-                _reshard_generation(module) + 1,
-            )
-            reuse = KeptStorage(
-                [
-                    batched
-                    for t, _, lookup, _ in adapter.groups()
-                    if t in changed_types
-                    for batched in _batched_modules(lookup)
-                ],
-                set(planned_tables) - set(changed_sharding_params),
+            reuse = _keep_storage_of_kept_tables(
+                adapter, new_infos, changed_types, changed_sharding_params
             )
         if changed_types:
             groups = _build_groups(
