@@ -36,10 +36,11 @@ locally, as on devices other than CPU where pages cannot be released).
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
@@ -162,21 +163,6 @@ class _OldKernel:
     positions: Dict[Tuple[str, Tuple[int, ...]], int]
 
 
-@dataclass
-class ReusedStorage:
-    """
-    One storage (one state of one old kernel) a new kernel took over.
-
-    Args:
-        tensor (torch.Tensor): the whole 1-D storage.
-        kept (List[Tuple[int, int]]): (element offset, element count) of every
-            table region the new kernel uses.
-    """
-
-    tensor: torch.Tensor
-    kept: List[Tuple[int, int]] = field(default_factory=list)
-
-
 def _shard_key(table: Any) -> Tuple[str, Tuple[int, ...]]:
     metadata = table.local_metadata
     offsets = tuple(metadata.shard_offsets) if metadata is not None else ()
@@ -204,8 +190,9 @@ class KeptStorage:
             for table in tables:
                 if table.name in kept_tables:
                     self._kernels[_shard_key(table)] = kernel
-        self.reused: List[ReusedStorage] = []
-        self._by_tensor: Dict[int, ReusedStorage] = {}
+        # address of a reused storage -> (element offset, count) of every
+        # table region a new kernel uses in it
+        self._kept_regions: Dict[int, List[Tuple[int, int]]] = {}
 
     def source_for(
         self, config: Any, kernel_type: type
@@ -225,14 +212,8 @@ class KeptStorage:
         return source.batched, [source.positions[k] for k in keys]
 
     def record(self, tensor: torch.Tensor, offset: int, numel: int) -> None:
-        key = tensor.data_ptr()
-        if key not in self._by_tensor:
-            self._by_tensor[key] = ReusedStorage(tensor)
-            self.reused.append(self._by_tensor[key])
-        self._by_tensor[key].kept.append((offset, numel))
-
-    def reused_pointers(self) -> Set[int]:
-        return set(self._by_tensor)
+        """Notes that a new kernel uses ``numel`` elements of ``tensor`` at ``offset``."""
+        self._kept_regions.setdefault(tensor.data_ptr(), []).append((offset, numel))
 
     def release_departed_pages(self) -> int:
         """
@@ -253,12 +234,11 @@ class KeptStorage:
                 if storage.data_ptr() in seen:
                     continue
                 seen.add(storage.data_ptr())
-                reused = self._by_tensor.get(storage.data_ptr())
-                released += _release_pages(storage, reused.kept if reused else [])
+                kept = self._kept_regions.get(storage.data_ptr(), [])
+                released += _release_pages(storage, kept)
         self._old_batched = []
         self._kernels = {}
-        self.reused = []
-        self._by_tensor = {}
+        self._kept_regions = {}
         return released
 
 
@@ -280,6 +260,7 @@ def _state_storages(kernel: nn.Module) -> List[torch.Tensor]:
     ]
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> Optional[Any]:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -298,7 +279,8 @@ def _resident_bytes(libc: Any, start: int, length: int) -> int:
     vec = (ctypes.c_ubyte * pages)()
     if libc.mincore(start, length, vec) != 0:
         return length
-    return sum(v & 1 for v in vec) * mmap.PAGESIZE
+    flags = torch.frombuffer(vec, dtype=torch.uint8)
+    return int(flags.bitwise_and(1).sum()) * mmap.PAGESIZE
 
 
 def _release_pages(tensor: torch.Tensor, kept: Sequence[Tuple[int, int]]) -> int:

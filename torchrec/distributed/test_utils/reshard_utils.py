@@ -515,6 +515,25 @@ def train_step(
     return values.detach()
 
 
+def assert_same_training(
+    m1: torch.nn.Module,
+    m2: torch.nn.Module,
+    batches: Sequence[Any],
+    kernel: str,
+    device: torch.device,
+) -> None:
+    """Same forward outputs, then the same state after each training step."""
+    dense_opts = [None, None]
+    if kernel == EmbeddingComputeKernel.DENSE.value:
+        dense_opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (m1, m2)]
+    for batch in batches:
+        out1 = train_step(m1, batch.to(device), dense_opts[0])
+        out2 = train_step(m2, batch.to(device), dense_opts[1])
+        assert torch.equal(out1, out2), (out1, out2)
+    assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
+    assert_optimizer_states_equal(m1, m2)
+
+
 class ReshardTestBase(MultiProcessTestBase):
     """MultiProcessTestBase whose ranks get the test's master port explicitly
     (forkserver children do not see later changes of the parent's env)."""

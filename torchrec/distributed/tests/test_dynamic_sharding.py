@@ -26,6 +26,7 @@ from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
+    assert_same_training,
     assert_state_dicts_equal,
     delta,
     global_optimizer_state,
@@ -107,29 +108,10 @@ def _run_reshard_case(
             assert_optimizer_states_equal(m1, m2)
             assert m1.module_sharding_plan == m2.module_sharding_plan
             if train_each_step and run_forward:
-                _assert_same_training(m1, m2, batches[-1:], kernel, device)
+                assert_same_training(m1, m2, batches[-1:], kernel, device)
 
         if run_forward:
-            _assert_same_training(m1, m2, batches[steps_before:], kernel, device)
-
-
-def _assert_same_training(
-    m1: torch.nn.Module,
-    m2: torch.nn.Module,
-    batches: Sequence[Any],
-    kernel: str,
-    device: torch.device,
-) -> None:
-    """Same forward outputs, then the same state after each training step."""
-    dense_opts = [None, None]
-    if kernel == DENSE:
-        dense_opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (m1, m2)]
-    for batch in batches:
-        out1 = train_step(m1, batch.to(device), dense_opts[0])
-        out2 = train_step(m2, batch.to(device), dense_opts[1])
-        assert torch.equal(out1, out2), (out1, out2)
-    assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
-    assert_optimizer_states_equal(m1, m2)
+            assert_same_training(m1, m2, batches[steps_before:], kernel, device)
 
 
 def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]:

@@ -30,6 +30,7 @@ from torchrec.distributed.resharding.install import (
 from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
+    assert_same_training,
     assert_state_dicts_equal,
     delta,
     global_optimizer_state,
@@ -89,15 +90,7 @@ def _reshard_and_compare(
     load_global_state(reference, weights, opt_state)
     assert_state_dicts_equal(reference.state_dict(), module.state_dict())
     assert_optimizer_states_equal(reference, module)
-    dense = [
-        torch.optim.SGD(m.parameters(), lr=0.05) if kernel == DENSE else None
-        for m in (reference, module)
-    ]
-    out_ref = train_step(reference, batch.to(device), dense[0])
-    out = train_step(module, batch.to(device), dense[1])
-    assert torch.equal(out_ref, out), (out_ref, out)
-    assert_state_dicts_equal(reference.state_dict(), module.state_dict())
-    assert_optimizer_states_equal(reference, module)
+    assert_same_training(reference, module, [batch], kernel, device)
     return report
 
 
