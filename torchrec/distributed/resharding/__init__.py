@@ -5,19 +5,62 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
-Live resharding of sharded embedding modules.
+Live resharding of sharded embedding modules: move tables or table shards
+between ranks (and between sharding types) inside a running job.
 
 * ``plan`` — pure: layouts as rectangles, transfers, validation;
-* ``exchange`` — collectives: agreement and the all-to-all of the pieces;
-* ``install`` — module surgery: build the new groups, fill them, swap them in;
-* ``storage`` — kernel memory: no initialisation of new lookups, kept tables
-  keep their storage, pages of departed tables go back to the OS.
+* ``exchange`` — collectives: the bounded agreement and the all-to-all of the
+  pieces on a process group of the transaction's own;
+* ``transaction`` — the driver: prepare (validate, build, agree, plan), then
+  execute (exchange, swap);
+* ``install`` / ``install_ec`` — module surgery: what the driver needs to know
+  about a ``ShardedEmbeddingBagCollection`` / ``ShardedEmbeddingCollection``;
+* ``groups`` — building a module's new sharding groups, detached from it;
+* ``kernel_state`` — reading and writing the state of a kernel's shards;
+* ``optimizer_state`` — the fused optimizer's per-kernel state;
+* ``storage`` — kernel memory: kept tables keep their storage, old storage is
+  released only where nobody else can see it;
+* ``model`` — ``DistributedModelParallel``: a whole new plan in one
+  transaction, and its dry run.
 """
 
+from torchrec.distributed.resharding.model import (  # noqa
+    dry_run,
+    DryRunReport,
+    ModelReshardReport,
+    plan_delta,
+    prepare_model_reshard,
+    reshard_model,
+)
 from torchrec.distributed.resharding.plan import (  # noqa
     ReshardAbortedError,
     ReshardError,
 )
+from torchrec.distributed.resharding.storage import StorageMode  # noqa
+from torchrec.distributed.resharding.transaction import (  # noqa
+    prepare_reshard,
+    PreparedReshard,
+    reshard_module,
+    ReshardOptions,
+    ReshardReport,
+)
 
-__all__ = ["ReshardAbortedError", "ReshardError"]
+__all__ = [
+    "DryRunReport",
+    "ModelReshardReport",
+    "PreparedReshard",
+    "ReshardAbortedError",
+    "ReshardError",
+    "ReshardOptions",
+    "ReshardReport",
+    "StorageMode",
+    "dry_run",
+    "plan_delta",
+    "prepare_model_reshard",
+    "prepare_reshard",
+    "reshard_model",
+    "reshard_module",
+]

@@ -8,29 +8,43 @@
 """
 The collective half of live resharding.
 
-Two steps talk to other ranks:
+Three steps talk to other ranks:
 
-* :func:`agree` — one small ``all_gather_object`` before any data moves: every
-  rank shares the digest of its delta, its validation error (if any) and a few
-  facts about the tables it holds. Disagreement or any error makes every rank
-  raise the same :class:`ReshardError`.
+* :func:`agree` — before any data moves, every rank publishes the digest of
+  its request, its validation error (if any) and a few facts about the tables
+  it holds, through the job's key-value store, and waits (bounded by the
+  exchange timeout) until every rank of the group did. A rank that does not
+  join makes every caller raise :class:`ReshardAbortedError`; disagreement or
+  any error makes every rank raise the same :class:`ReshardError`. No process
+  group is used, so a rank that never comes leaves every group usable.
+* :func:`open_exchange_group` — the shards travel on a process group of their
+  own, created for this transaction under a name every rank derives from it,
+  and destroyed afterwards: a failed exchange never leaves stray messages on
+  the group training uses.
 * :func:`exchange_pieces` — the data: per round and per (dtype, field), every
   rank packs the pieces of each destination into one contiguous buffer and
-  calls one ``all_to_all_single`` with exact split sizes on the module's
-  process group. Pieces that already lie back to back in one storage are sent
-  from it without packing, and, when the caller names the destinations,
-  received straight into them. Pieces whose source and destination are the
-  same rank never enter a buffer; the caller copies them locally.
+  calls one ``all_to_all_single`` with exact split sizes. Pieces that already
+  lie back to back in one storage are sent from it without packing, and, when
+  the caller names the destinations, received straight into them. Pieces whose
+  source and destination are the same rank never enter a buffer; the caller
+  copies them locally.
 """
 
+import enum
+import hashlib
 import logging
+import pickle
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torchrec.distributed.resharding.memory import release_buffer
 from torchrec.distributed.resharding.plan import (
     Rect,
+    ReshardAbortedError,
     ReshardError,
     ReshardPlan,
     Transfer,
@@ -38,9 +52,13 @@ from torchrec.distributed.resharding.plan import (
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-ROWS = "rows"  # a value per row of the shard (e.g. row-wise Adagrad)
-RECT = "rect"  # a value per element of the shard (weights, Adam moments)
-SCALAR = "scalar"  # a single value per shard
+
+class FieldKind(enum.Enum):
+    """How a tensor that travels with a table follows the table's rectangles."""
+
+    RECT = "rect"  # a value per element of the shard (weights, Adam moments)
+    ROWS = "rows"  # a value per row of the shard (e.g. row-wise Adagrad)
+    SCALAR = "scalar"  # a single value per shard
 
 
 @dataclass(frozen=True)
@@ -50,23 +68,28 @@ class Field:
 
     Args:
         name (str): "weight" or an optimizer state key.
-        kind (str): RECT, ROWS or SCALAR.
+        kind (FieldKind): how it follows the table's rectangles.
         dtype (torch.dtype): element type on the wire.
     """
 
     name: str
-    kind: str
+    kind: FieldKind
     dtype: torch.dtype
 
     def numel(self, transfer: Transfer) -> int:
-        if self.kind == RECT:
+        """Elements of this field in one piece."""
+        if self.kind == FieldKind.RECT:
             return transfer.rect.numel
-        if self.kind == ROWS:
+        if self.kind == FieldKind.ROWS:
             return transfer.rect.rows
         return 1
 
+    def nbytes(self, transfer: Transfer) -> int:
+        """Bytes of this field in one piece."""
+        return self.numel(transfer) * self.dtype.itemsize
 
-def field_kind(tensor: torch.Tensor, rows: int, cols: int) -> str:
+
+def field_kind(tensor: torch.Tensor, rows: int, cols: int) -> FieldKind:
     """
     Args:
         tensor (torch.Tensor): a local tensor attached to a ``rows`` x ``cols`` shard.
@@ -74,61 +97,202 @@ def field_kind(tensor: torch.Tensor, rows: int, cols: int) -> str:
         cols (int): shard columns.
 
     Returns:
-        str: how the tensor follows the shard's rectangle.
+        FieldKind: how the tensor follows the shard's rectangle.
     """
     if tensor.dim() == 2 and tuple(tensor.shape) == (rows, cols):
-        return RECT
+        return FieldKind.RECT
     if tensor.dim() == 1 and tensor.numel() == rows:
-        return ROWS
+        return FieldKind.ROWS
     if tensor.numel() == 1:
-        return SCALAR
+        return FieldKind.SCALAR
     if tensor.numel() == rows * cols:
-        return RECT
+        return FieldKind.RECT
     raise ReshardError(
         f"cannot tell how a tensor of shape {tuple(tensor.shape)} follows a "
         f"{rows}x{cols} shard"
     )
 
 
-def agree(
-    process_group: dist.ProcessGroup, digest: int, error: Optional[str], facts: Any
-) -> List[Any]:
+@dataclass(frozen=True)
+class Agreement:
     """
-    Makes every rank agree to go ahead, or every rank raise the same error.
+    What every rank agreed on before any data moved.
+
+    Args:
+        transaction (str): a name for this transaction, the same on every rank
+            and never used again for the same ranks.
+        facts (List[Any]): the facts every rank shared, by group-local rank.
+    """
+
+    transaction: str
+    facts: List[Any]
+
+
+_GO = b"go"
+_ABORTED = b"aborted"
+
+
+def _rendezvous_prefix(global_ranks: Sequence[int]) -> str:
+    text = ",".join(str(r) for r in global_ranks)
+    return "torchrec_reshard/" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _default_timeout(process_group: dist.ProcessGroup) -> timedelta:
+    return c10d._get_default_timeout(dist.get_backend(process_group))
+
+
+def _open_attempt(store: dist.Store, prefix: str) -> int:
+    """
+    The attempt of the ranks' rendezvous that is open now. Attempts that were
+    decided without this rank (aborted while it was away) are skipped, so a
+    rank that missed a reshard rejoins the others at the next one.
+    """
+    while True:
+        attempt = int(store.add(f"{prefix}/current", 0))
+        if not store.check([f"{prefix}/{attempt}/state"]):
+            return attempt
+        _close_attempt(store, prefix, attempt)
+
+
+def _close_attempt(store: dist.Store, prefix: str, attempt: int) -> None:
+    store.compare_set(f"{prefix}/current", str(attempt), str(attempt + 1))
+
+
+def agree(
+    process_group: dist.ProcessGroup,
+    digest: int,
+    error: Optional[str],
+    facts: Any,
+    timeout: Optional[timedelta] = None,
+) -> Agreement:
+    """
+    Makes every rank of ``process_group`` agree to go ahead, or every rank raise
+    the same error. Runs on the job's key-value store, not on a process group,
+    and waits at most ``timeout`` for the other ranks.
 
     Args:
         process_group (dist.ProcessGroup): the module's process group.
         digest (int): digest of this rank's request.
         error (Optional[str]): this rank's validation error, if any.
         facts (Any): picklable facts this rank shares with the others.
+        timeout (Optional[timedelta]): how long to wait for the other ranks
+            (default: the backend's default process-group timeout).
 
     Returns:
-        List[Any]: the facts of every rank, by group-local rank.
+        Agreement: the transaction's name and every rank's facts.
 
     Raises:
+        ReshardAbortedError: on every rank that called, when some rank did not
+            join within the timeout; nothing has moved.
         ReshardError: on every rank, if the digests differ or any rank failed
             validation (the lowest failing rank's message).
     """
-    world_size = dist.get_world_size(process_group)
-    gathered: List[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (digest, error, facts), group=process_group)
+    timeout = timeout or _default_timeout(process_group)
+    global_ranks = dist.get_process_group_ranks(process_group)
+    world_size = len(global_ranks)
+    rank = dist.get_rank(process_group)
+    store = c10d._get_default_store()
+    prefix = _rendezvous_prefix(global_ranks)
+    attempt = _open_attempt(store, prefix)
+    here = f"{prefix}/{attempt}"
+    if attempt > 1:
+        # Every rank read the facts of attempt - 2 before it arrived at
+        # attempt - 1, which this rank saw decided.
+        store.delete_key(f"{prefix}/{attempt - 2}/rank{rank}")
+    store.set(f"{here}/rank{rank}", pickle.dumps((digest, error, facts)))
+    if int(store.add(f"{here}/arrived", 1)) >= world_size:
+        decision = store.compare_set(f"{here}/state", "", _GO)
+    else:
+        try:
+            store.wait([f"{here}/state"], timeout)
+            decision = store.get(f"{here}/state")
+        except dist.DistStoreError:
+            decision = store.compare_set(f"{here}/state", "", _ABORTED)
+    _close_attempt(store, prefix, attempt)
+    if decision != _GO:
+        missing = [r for r in range(world_size) if not store.check([f"{here}/rank{r}"])]
+        raise ReshardAbortedError(
+            f"rank {rank}: group ranks {missing} did not join the reshard within "
+            f"{timeout}; nothing moved and the module is unchanged"
+        )
+    gathered = [pickle.loads(store.get(f"{here}/rank{r}")) for r in range(world_size)]
     digests = [g[0] for g in gathered]
     if len(set(digests)) != 1:
         groups: Dict[int, List[int]] = {}
-        for rank, d in enumerate(digests):
-            groups.setdefault(d, []).append(rank)
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
         raise ReshardError(
             "ranks passed different resharding requests (every rank must pass the "
             f"same delta); ranks grouped by request: {sorted(groups.values())}"
         )
-    for rank, (_, rank_error, _) in enumerate(gathered):
+    for r, (_, rank_error, _) in enumerate(gathered):
         if rank_error is not None:
-            raise ReshardError(f"{rank_error} (reported by rank {rank})")
-    return [g[2] for g in gathered]
+            raise ReshardError(f"{rank_error} (reported by rank {r})")
+    return Agreement(f"{here}/exchange", [g[2] for g in gathered])
+
+
+def open_exchange_group(
+    process_group: dist.ProcessGroup,
+    transaction: str,
+    timeout: Optional[timedelta] = None,
+) -> dist.ProcessGroup:
+    """
+    A process group over the same ranks as ``process_group`` (same group-local
+    ranks), made for one transaction: its name comes from the agreement, so
+    only the group's members create it and the job's group counter is not
+    touched. Close it with :func:`close_exchange_group`.
+
+    Args:
+        process_group (dist.ProcessGroup): the module's process group.
+        transaction (str): :attr:`Agreement.transaction`.
+        timeout (Optional[timedelta]): timeout of its collectives.
+
+    Returns:
+        dist.ProcessGroup: the exchange group.
+
+    Raises:
+        ReshardAbortedError: when a peer does not connect within the timeout.
+    """
+    global_ranks = dist.get_process_group_ranks(process_group)
+    store = c10d._get_default_store()
+    try:
+        group, _ = c10d._new_process_group_helper(
+            len(global_ranks),
+            dist.get_rank(process_group),
+            global_ranks,
+            dist.get_backend(process_group),
+            store,
+            c10d.GroupName(transaction),
+            timeout=timeout or _default_timeout(process_group),
+        )
+    except Exception as e:
+        raise ReshardAbortedError(
+            f"could not connect the ranks for the shard exchange ({type(e).__name__}:"
+            f" {e}); nothing moved and the module is unchanged"
+        ) from e
+    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(global_ranks)}
+    return group
+
+
+def close_exchange_group(group: dist.ProcessGroup) -> None:
+    """
+    Destroys an exchange group; after a failed exchange this also wakes peers
+    still blocked in it with an error instead of letting them wait.
+
+    Args:
+        group (dist.ProcessGroup): a group from :func:`open_exchange_group`.
+
+    Returns:
+        None
+    """
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # a group broken by the failure it reports
+        logger.debug("destroying the exchange group failed", exc_info=True)
 
 
 def _piece_bytes(transfer: Transfer, fields: Sequence[Field]) -> int:
-    return sum(f.numel(transfer) * _itemsize(f.dtype) for f in fields)
+    return sum(f.nbytes(transfer) for f in fields)
 
 
 def _split_by_rows(
@@ -138,11 +302,11 @@ def _split_by_rows(
     # so that a cap smaller than a whole piece still bounds the buffers.
     rect = transfer.rect
     per_row = sum(
-        (rect.cols if f.kind == RECT else 1) * _itemsize(f.dtype)
+        (rect.cols if f.kind == FieldKind.RECT else 1) * f.dtype.itemsize
         for f in fields
-        if f.kind != SCALAR
+        if f.kind != FieldKind.SCALAR
     )
-    scalars = sum(_itemsize(f.dtype) for f in fields if f.kind == SCALAR)
+    scalars = sum(f.dtype.itemsize for f in fields if f.kind == FieldKind.SCALAR)
     if per_row == 0:
         return [transfer]
     band = max(1, (max_bytes - scalars) // per_row)
@@ -198,10 +362,6 @@ def split_into_rounds(
     if current:
         rounds.append(current)
     return rounds
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _wire_groups(
@@ -376,6 +536,7 @@ def _exchange_one_group(
     send_buffer = _flat_span(
         [s.reshape(-1) if s.is_contiguous() else s for s in sources], dtype, device
     )
+    packed = send_buffer is None
     if send_buffer is None:
         send_buffer = torch.empty(sum(send_splits), dtype=dtype, device=device)
         offset = 0
@@ -410,6 +571,8 @@ def _exchange_one_group(
         input_split_sizes=send_splits,
         group=process_group,
     )
+    if packed:
+        release_buffer(send_buffer)
     del send_buffer
     if not direct:
         offset = 0
@@ -417,5 +580,6 @@ def _exchange_one_group(
             n = f.numel(t)
             write_piece(t, f, recv_buffer[offset : offset + n])
             offset += n
-    itemsize = _itemsize(dtype)
+        release_buffer(recv_buffer)
+    itemsize = dtype.itemsize
     return sum(send_splits) * itemsize, sum(recv_splits) * itemsize

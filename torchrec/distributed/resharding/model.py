@@ -7,52 +7,28 @@
 
 """
 Model-level live resharding: move a ``DistributedModelParallel`` model to a
-whole new ``ShardingPlan`` (as a planner produces it), and dry-run the delta
-between two plans.
+whole new ``ShardingPlan`` (as a planner produces it) as one transaction, and
+dry-run the delta between two plans.
 """
 
 import logging
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Dict, List, Mapping, Optional, Tuple, Type
+from typing import Dict, List, Mapping, Optional, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.exchange import agree, Field
-from torchrec.distributed.resharding.install import (
-    EmbeddingBagCollectionAdapter,
-    reshard_sharded_module,
+from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
+from torchrec.distributed.resharding.plan import ReshardError
+from torchrec.distributed.resharding.transaction import (
+    prepare_reshard,
+    PreparedReshard,
+    ReshardOptions,
     ReshardReport,
-    ShardedModuleAdapter,
-)
-from torchrec.distributed.resharding.plan import (
-    delta_digest,
-    plan_transfers,
-    ReshardError,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-def _adapter_types() -> Dict[Type[nn.Module], Type[ShardedModuleAdapter]]:
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
-    adapters: Dict[Type[nn.Module], Type[ShardedModuleAdapter]] = {
-        ShardedEmbeddingBagCollection: EmbeddingBagCollectionAdapter
-    }
-    try:
-        from torchrec.distributed.embedding import ShardedEmbeddingCollection
-        from torchrec.distributed.resharding.install_ec import (
-            EmbeddingCollectionAdapter,
-        )
-
-        adapters[ShardedEmbeddingCollection] = EmbeddingCollectionAdapter
-    except ImportError:  # pragma: no cover - EC support not built in
-        pass
-    return adapters
 
 
 def plan_delta(
@@ -132,11 +108,14 @@ class DryRunReport:
             changed tables with their new sharding.
         bytes_sent (Dict[int, int]): per rank, bytes it would send.
         bytes_received (Dict[int, int]): per rank, bytes it would receive.
+        tables_moved (Dict[str, List[str]]): per module path, the tables whose
+            layout changes.
     """
 
     deltas: Dict[str, Dict[str, ParameterSharding]]
     bytes_sent: Dict[int, int]
     bytes_received: Dict[int, int]
+    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
 
     @property
     def tables(self) -> Dict[str, List[str]]:
@@ -144,126 +123,107 @@ class DryRunReport:
 
 
 def _sharded_module(model: nn.Module, path: str) -> nn.Module:
-    module = model.module.get_submodule(path) if path else model.module
-    return module
+    return model.module.get_submodule(path) if path else model.module
 
 
-def _adapter_for(module: nn.Module, path: str) -> ShardedModuleAdapter:
-    for module_type, adapter_type in _adapter_types().items():
-        if isinstance(module, module_type):
-            return adapter_type(module)
-    raise ReshardError(
-        f"module '{path}' of type {type(module).__name__} cannot be resharded"
+def _requests(
+    model: nn.Module, deltas: Mapping[str, Dict[str, ParameterSharding]]
+) -> List[Tuple[str, ShardedModuleAdapter, Dict[str, ParameterSharding]]]:
+    requests = []
+    for path, delta in deltas.items():
+        try:
+            adapter = adapter_for(_sharded_module(model, path))
+        except ReshardError as e:
+            raise ReshardError(f"module '{path}': {e}") from None
+        requests.append((path, adapter, delta))
+    return requests
+
+
+def prepare_model_reshard(
+    model: nn.Module,
+    new_plan: ShardingPlan,
+    options: Optional[ReshardOptions] = None,
+    build: bool = True,
+) -> PreparedReshard:
+    """
+    Validates, builds and agrees on moving every sharded module of ``model`` to
+    ``new_plan``, as one transaction; nothing moves yet. Every rank calls it.
+
+    Args:
+        model (DistributedModelParallel): the sharded model.
+        new_plan (ShardingPlan): a whole plan for the model.
+        options (Optional[ReshardOptions]): how to run.
+        build (bool): build the new groups (False for a dry run).
+
+    Returns:
+        PreparedReshard: the agreed reshard.
+
+    Raises:
+        ReshardError: for a bad plan, on every rank.
+        ReshardAbortedError: when a rank does not join within the timeout.
+    """
+    env: ShardingEnv = model._env
+    deltas = plan_delta(model.plan, new_plan)
+    return prepare_reshard(
+        _requests(model, deltas), env, model.device, options, build=build
     )
 
 
-def dry_run(model: nn.Module, new_plan: ShardingPlan) -> DryRunReport:
+def dry_run(
+    model: nn.Module, new_plan: ShardingPlan, options: Optional[ReshardOptions] = None
+) -> DryRunReport:
     """
     Computes the delta between ``model.plan`` and ``new_plan`` and the bytes each
     rank would send and receive (weights and fused optimizer state), without
-    moving any data. Every rank must call it (one small collective per changed
-    module shares what optimizer state the tables carry).
+    building or moving anything: the prepare half of a reshard without its
+    build. Every rank must call it (the ranks agree once, as in a reshard).
 
     Args:
         model (DistributedModelParallel): the sharded model.
         new_plan (ShardingPlan): the plan to move to.
+        options (Optional[ReshardOptions]): how a reshard would run.
 
     Returns:
         DryRunReport: the delta and the per-rank byte counts.
     """
-    from torchrec.distributed.resharding.install import (
-        _local_facts,
-        _merge_facts,
-        _old_layouts,
-        _to_fields,
-        validate_delta,
-    )
-
-    env: ShardingEnv = model._env
-    pg = env.process_group
-    world_size = dist.get_world_size(pg)
-    deltas = plan_delta(model.plan, new_plan)
-    sent = {r: 0 for r in range(world_size)}
-    received = {r: 0 for r in range(world_size)}
-    for path, delta in deltas.items():
-        module = _sharded_module(model, path)
-        error: Optional[str] = None
-        layouts = {}
-        try:
-            _adapter_for(module, path)
-            layouts = validate_delta(module, delta, env, model.device)
-        except ReshardError as e:
-            error = f"module '{path}': {e}"
-        facts = _local_facts(module._lookups, list(delta)) if error is None else None
-        merged = _merge_facts(agree(pg, delta_digest(delta), error, facts))
-        plan = plan_transfers(_old_layouts(module, list(delta), world_size), layouts)
-        fields: Mapping[str, List[Field]] = {
-            t: _to_fields(merged.fields.get(t, [])) for t in delta
-        }
-        for transfer in plan.transfers:
-            if transfer.is_local:
-                continue
-            nbytes = sum(
-                f.numel(transfer) * torch.empty((), dtype=f.dtype).element_size()
-                for f in fields[transfer.table]
-            )
-            sent[transfer.src_rank] += nbytes
-            received[transfer.dst_rank] += nbytes
-    return DryRunReport(deltas, sent, received)
+    prepared = prepare_model_reshard(model, new_plan, options, build=False)
+    sent, received = prepared.bytes_per_rank()
+    deltas = {path: dict(delta) for path, delta in prepared.deltas.items()}
+    moved = {p: t for p, t in prepared.tables_moved.items() if t}
+    return DryRunReport(deltas, sent, received, moved)
 
 
 def reshard_model(
     model: nn.Module,
     new_plan: ShardingPlan,
-    max_inflight_bytes: Optional[int] = None,
-    exchange_timeout: Optional[timedelta] = None,
-    progress: bool = False,
+    options: Optional[ReshardOptions] = None,
 ) -> ModelReshardReport:
     """
     Moves every sharded module of ``model`` to its sharding in ``new_plan``, in
-    place, and makes ``new_plan`` the model's plan. The model's combined fused
-    optimizer (and any optimizer wrapping it) follows the moved state.
+    place, as one transaction: every module is validated, agreed on (once) and
+    built before any data moves, and swapped only after every module's data
+    arrived. The model's combined fused optimizer (and any optimizer wrapping
+    it) follows the moved state. ``DistributedModelParallel.reshard`` calls
+    this and then makes (a copy of) ``new_plan`` the model's plan.
 
     Args:
         model (DistributedModelParallel): the sharded model.
         new_plan (ShardingPlan): a whole plan for the model (same modules and
-            tables as ``model.plan``).
-        max_inflight_bytes (Optional[int]): cap on the exchange buffers per rank.
-        exchange_timeout (Optional[timedelta]): timeout of the exchange.
-        progress (bool): show a progress bar on rank 0.
+            tables as ``model.plan``); not modified.
+        options (Optional[ReshardOptions]): how to run.
 
     Returns:
         ModelReshardReport: what this rank did.
 
     Raises:
         ReshardError: for a bad plan, on every rank, before any data moves.
-        ReshardAbortedError: when an exchange fails; modules resharded before
-            the failing one keep their new sharding, the others their old one,
-            and ``model.plan`` says which.
+        ReshardAbortedError: when a rank does not join or the exchange fails;
+            every module keeps its old sharding.
     """
     start = time.perf_counter()
-    env: ShardingEnv = model._env
-    rank = dist.get_rank(env.process_group)
-    deltas = plan_delta(model.plan, new_plan)
-    report = ModelReshardReport(rank)
-    items: List[Tuple[str, Dict[str, ParameterSharding]]] = list(deltas.items())
-    iterator = items
-    if progress and rank == 0:
-        from tqdm import tqdm
-
-        iterator = tqdm(items, desc="resharding modules", unit="module")
-    for path, delta in iterator:
-        module = _sharded_module(model, path)
-        report.modules[path] = reshard_sharded_module(
-            _adapter_for(module, path),
-            delta,
-            env,
-            model.device,
-            max_inflight_bytes,
-            exchange_timeout,
-            progress,
-        )
-        model.plan.plan[path].update(delta)
+    rank = dist.get_rank(model._env.process_group)
+    prepared = prepare_model_reshard(model, new_plan, options)
+    report = ModelReshardReport(rank, prepared.execute())
     report.seconds = time.perf_counter() - start
     logger.info(
         "model reshard rank %d: %d modules, tables %s, sent %d B, received %d B "

@@ -83,6 +83,18 @@ class Rect:
     def numel(self) -> int:
         return self.rows * self.cols
 
+    @staticmethod
+    def from_shard_metadata(metadata: ShardMetadata) -> "Rect":
+        """
+        Args:
+            metadata (ShardMetadata): a 2D shard.
+
+        Returns:
+            Rect: the part of the table it covers.
+        """
+        (row, col), (rows, cols) = metadata.shard_offsets, metadata.shard_sizes
+        return Rect(row, col, rows, cols)
+
     def intersect(self, other: "Rect") -> Optional["Rect"]:
         """
         Args:
@@ -217,12 +229,6 @@ class ReshardPlan:
         return sum(t.rect.numel for t in self.transfers if not t.is_local)
 
 
-def _shard_rect(metadata: ShardMetadata) -> Rect:
-    offsets = list(metadata.shard_offsets)
-    sizes = list(metadata.shard_sizes)
-    return Rect(offsets[0], offsets[1], sizes[0], sizes[1])
-
-
 def _placement_rank(metadata: ShardMetadata) -> int:
     placement = metadata.placement
     rank = placement.rank() if placement is not None else None
@@ -273,7 +279,7 @@ def layout_from_parameter_sharding(
     return TableLayout(
         rows,
         cols,
-        tuple(PlacedShard(_placement_rank(m), _shard_rect(m)) for m in spec.shards),
+        tuple(PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m)) for m in spec.shards),
     )
 
 
@@ -293,7 +299,7 @@ def layout_from_shards_metadata(
     return TableLayout(
         rows,
         cols,
-        tuple(PlacedShard(_placement_rank(m), _shard_rect(m)) for m in shards_metadata),
+        tuple(PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m)) for m in shards_metadata),
     )
 
 

@@ -5,73 +5,87 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
-Kernel storage for live resharding: how the lookups of a rebuilt sharding
-group get their memory.
+Kernel storage for live resharding: where the kernels of a rebuilt sharding
+group get their memory, and what happens to the memory of the old ones.
 
 The tables of one sharding group live in one fbgemm batched kernel per grouped
 config, i.e. one contiguous storage per state (weights, momentum1, ...). When a
-group gains or loses a table it is rebuilt, and by default every table in it
-would be copied into fresh pages, including the tables that stay put. This
-module avoids that:
+group gains or loses a table it is rebuilt. Everything here goes through
+TorchRec's :class:`KernelBuildHooks` (a patch of the series), scoped to the
+building call in the building thread:
 
-* **no initialisation**: while new lookups are built, TorchRec's random
-  ``init_parameters``, the ``torch.randn`` of fbgemm's dense kernel and the zero
-  fill of a fused kernel's host buffers are skipped — the reshard overwrites
-  every byte anyway;
-* **kept tables keep their storage** (CPU): tables a reshard does not change
-  but whose group is rebuilt get their own grouped config (through TorchRec's
-  ``_batch_key`` grouping parameter), and the kernel built for it takes the old
-  kernel's storage and offsets instead of allocating: nothing is copied. Tables
-  that arrive or change get a kernel of their own, allocated once at its final
-  size and filled straight from the exchange;
-* **released pages**: after the swap, the pages of the reused storage that
-  only held departed tables are returned to the OS (``madvise``), so the memory
-  of a rank is its new tables, not its old ones plus its new ones.
+* **no initialisation**: the reshard overwrites every byte of the kernels it
+  builds, so they skip random init and fbgemm's zero fill;
+* **kept tables keep their storage** (:attr:`StorageMode.REUSE`, CPU): tables
+  the reshard does not change keep their batch key (TorchRec's ``_batch_key``
+  grouping parameter) while changed tables get one of this reshard's
+  generation, so the kept tables of an old kernel form a grouped config of
+  their own. When they lie back to back in the old kernel's storage, the new
+  kernel is built on a view of it (fbgemm's ``preallocated_host_buffers``; the
+  dense kernel's weights): nothing is copied, and views a caller took of them
+  keep tracking the live table. Otherwise they are copied;
+* **retired storage**: after the swap the old kernels are retired (their
+  reference cycles broken, so they are freed at once, not at the next garbage
+  collection). Their memory goes back to the OS only where nothing outside the
+  module can see it: a storage nobody else references is released (pages of
+  departed tables, or all of it); a storage a caller still references (an old
+  state dict, a tensor from ``local_shards()``) is left exactly as it is and
+  lives on as long as the caller holds it.
 
 Every group keeps at most ``MAX_KERNELS_PER_GROUP`` kernels: a reshard that
-would exceed it rebuilds the group as one kernel (kept tables then are copied
-locally, as on devices other than CPU where pages cannot be released).
+would exceed it rebuilds the group as one kernel (kept tables copied).
 """
 
-import contextlib
-import ctypes
-import functools
-import mmap
+import enum
 import sys
-import threading
-from dataclasses import dataclass
-from typing import (
-    Any,
-    Callable,
-    Dict,
-    Iterator,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
-)
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-import fbgemm_gpu.split_table_batched_embeddings_ops_training as tbe_training
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-from torch import nn
-from torchrec.distributed.batched_embedding_kernel import (
-    BaseBatchedEmbedding,
-    BaseBatchedEmbeddingBag,
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    DenseTableBatchedEmbeddingBagsCodegen,
+    SplitTableBatchedEmbeddingBagsCodegen,
 )
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._tensor import DTensor
+from torchrec.distributed.batched_embedding_kernel import KernelBuildHooks
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.resharding.memory import release_pages
 
 BATCH_KEY = "_batch_key"
 _RESHARD_TAG = "#reshard"
 MAX_KERNELS_PER_GROUP = 4
 
-# The host buffers of a fused kernel that a reshard fills entirely: weights
-# from the pieces, optimizer state from the pieces or, where no piece carries
-# it, zeroed by install's ``_zero_undelivered_state``.
-_FILLED_HOST_BUFFERS = ("weights", "momentum1", "momentum2")
+# Host state of a fused kernel: weights, then the optimizer's momenta.
+_HOST_STATES: Tuple[str, ...] = ("weights", "momentum1", "momentum2")
+# Optimizers whose host state sizes are known here (the CPU ones): whether
+# their momentum1 is row-wise. Others get only their weights preallocated.
+_MOMENTUM1_ROWWISE: Dict[EmbOptimType, Optional[bool]] = {
+    EmbOptimType.EXACT_SGD: None,
+    EmbOptimType.EXACT_ADAGRAD: False,
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: True,
+}
+
+
+class StorageMode(enum.Enum):
+    """
+    How a reshard gives memory to the kept tables of a rebuilt group.
+
+    * ``REUSE``: they keep their storage where the device allows it (CPU on
+      Linux); elsewhere they are copied;
+    * ``COPY``: a rebuilt group is always one kernel, kept tables are copied.
+    """
+
+    REUSE = "reuse"
+    COPY = "copy"
 
 
 def storage_reuse_supported(device: Optional[torch.device]) -> bool:
@@ -120,6 +134,25 @@ def _most_kernels_per_user_key(infos: Sequence[EmbeddingShardingInfo]) -> int:
     return max((len(k) for k in keys.values()), default=0)
 
 
+def next_generation(infos: Mapping[str, Sequence[EmbeddingShardingInfo]]) -> int:
+    """
+    Args:
+        infos (Mapping[str, Sequence[EmbeddingShardingInfo]]): a module's
+            sharding infos.
+
+    Returns:
+        int: one more than the highest reshard generation in their batch keys
+        (1 for a module never resharded); the same on every rank.
+    """
+    generations = [
+        int(_batch_key(info).split(_RESHARD_TAG)[1])
+        for group in infos.values()
+        for info in group
+        if _RESHARD_TAG in _batch_key(info)
+    ]
+    return max(generations, default=0) + 1
+
+
 def split_kept_tables(
     new_infos: Mapping[str, List[EmbeddingShardingInfo]],
     changed_types: Sequence[str],
@@ -146,6 +179,8 @@ def split_kept_tables(
         None
     """
     for sharding_type in changed_types:
+        if sharding_type not in new_infos:
+            continue  # the group goes away
         infos = new_infos[sharding_type]
         for i, info in enumerate(infos):
             if info.embedding_config.name in changed_tables:
@@ -155,328 +190,315 @@ def split_kept_tables(
                 infos[i] = _with_batch_key(info, _generation_key(info, generation))
 
 
-@dataclass
-class _OldKernel:
-    """A kernel of the module before the reshard, as a source of storage."""
-
-    batched: nn.Module
-    positions: Dict[Tuple[str, Tuple[int, ...]], int]
+ShardKey = Tuple[str, Tuple[int, ...]]
 
 
-def _shard_key(table: Any) -> Tuple[str, Tuple[int, ...]]:
+def _shard_key(table: Any) -> ShardKey:
     metadata = table.local_metadata
     offsets = tuple(metadata.shard_offsets) if metadata is not None else ()
     return table.name, offsets
 
 
-class KeptStorage:
+def _cpu_tensors(candidates: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    return [
+        t
+        for t in candidates
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.numel() > 0
+    ]
+
+
+def _table_state(kernel: nn.Module) -> List[torch.Tensor]:
+    """The per-table state of an fbgemm kernel in host memory (weights, momenta)."""
+    if isinstance(kernel, DenseTableBatchedEmbeddingBagsCodegen):
+        return _cpu_tensors([kernel.weights])
+    return _cpu_tensors([getattr(kernel, f"{s}_host", None) for s in _HOST_STATES])
+
+
+def _other_memory(kernel: nn.Module) -> List[torch.Tensor]:
     """
-    Where the kernels built for kept tables find their storage.
+    The rest of the CPU memory an fbgemm kernel holds: the gradients of its
+    parameters (a data-parallel kernel's live in DDP's buckets) and buffers.
+    """
+    params = list(kernel.parameters())
+    return _cpu_tensors([p.grad for p in params] + list(kernel.buffers()))
+
+
+@dataclass
+class _Storage:
+    """
+    An old kernel's storage, held (one reference) until the reshard decides
+    what happens to it.
 
     Args:
-        old_batched (Sequence[nn.Module]): the module's batched kernels before
-            the reshard (TorchRec ``BaseBatchedEmbedding[Bag]`` instances).
-        kept_tables (Set[str]): tables the reshard does not change.
+        storage (torch.UntypedStorage): the storage.
+        live (List[Tuple[int, int]]): byte ranges (offset, length) that new
+            kernels took over.
+        table_state (bool): it holds tables' weights or optimizer state
+            (what a report counts as released), not gradients or buffers.
     """
 
-    def __init__(self, old_batched: Sequence[nn.Module], kept_tables: Set[str]) -> None:
-        self._kernels: Dict[Tuple[str, Tuple[int, ...]], _OldKernel] = {}
-        self._old_batched: List[nn.Module] = list(old_batched)
+    storage: torch.UntypedStorage
+    live: List[Tuple[int, int]] = field(default_factory=list)
+    table_state: bool = True
+
+
+class KeptStorage(KernelBuildHooks):
+    """
+    The kernel build hooks of a reshard: kernels skip initialisation and take
+    uninitialised host buffers (every byte is overwritten), and kernels made of
+    kept tables that lie back to back in one old kernel take views of its
+    storage (when ``reuse``). Afterwards, :meth:`release` decides what happens
+    to the old kernels' storage.
+
+    Args:
+        old_batched (Sequence[nn.Module]): the batched kernels of the rebuilt
+            groups (TorchRec ``BaseBatchedEmbedding[Bag]`` modules).
+        kept_tables (Set[str]): tables the reshard does not change.
+        reuse (bool): whether kept tables may keep their storage.
+    """
+
+    def __init__(
+        self, old_batched: Sequence[nn.Module], kept_tables: Set[str], reuse: bool
+    ) -> None:
+        self._reuse = reuse
+        # kept shard -> (old fbgemm kernel, its position in that kernel)
+        self._kept: Dict[ShardKey, Tuple[nn.Module, int]] = {}
+        self._storages: Dict[int, _Storage] = {}
         for batched in old_batched:
-            tables = batched.config.embedding_tables
-            kernel = _OldKernel(
-                batched, {_shard_key(t): i for i, t in enumerate(tables)}
-            )
-            for table in tables:
+            kernel = batched.emb_module
+            for position, table in enumerate(batched.config.embedding_tables):
                 if table.name in kept_tables:
-                    self._kernels[_shard_key(table)] = kernel
-        # address of a reused storage -> (element offset, count) of every
-        # table region a new kernel uses in it
-        self._kept_regions: Dict[int, List[Tuple[int, int]]] = {}
+                    self._kept[_shard_key(table)] = (kernel, position)
+            for tensor in _table_state(kernel):
+                storage = tensor.untyped_storage()
+                self._storages.setdefault(storage.data_ptr(), _Storage(storage))
+            for tensor in _other_memory(kernel):
+                storage = tensor.untyped_storage()
+                self._storages.setdefault(
+                    storage.data_ptr(), _Storage(storage, table_state=False)
+                )
 
-    def source_for(
-        self, config: Any, kernel_type: type
-    ) -> Optional[Tuple[nn.Module, List[int]]]:
+    # ------------------------------------------------------------- build hooks
+
+    def init_parameters(self, config: GroupedEmbeddingConfig) -> bool:
+        return False
+
+    def host_buffers(
+        self, config: GroupedEmbeddingConfig, tbe_kwargs: Dict[str, Any]
+    ) -> Optional[Dict[str, torch.Tensor]]:
+        kept = self._kept_run(config, SplitTableBatchedEmbeddingBagsCodegen)
+        if kept is not None:
+            kernel, first, count = kept
+            buffers = {}
+            for state in _HOST_STATES:
+                view = self._kept_view(kernel, state, first, count)
+                if view is not None:
+                    buffers[state] = view
+            if "weights" in buffers:
+                return buffers
+        return _uninitialized_host_buffers(tbe_kwargs)
+
+    def dense_weights(
+        self,
+        config: GroupedEmbeddingConfig,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> Optional[torch.Tensor]:
+        kept = self._kept_run(config, DenseTableBatchedEmbeddingBagsCodegen)
+        if kept is None:
+            return None
+        kernel, first, count = kept
+        view = self._kept_view(kernel, "weights", first, count)
+        if view is None or view.numel() != numel or view.dtype != dtype:
+            return None
+        return view
+
+    def _kept_run(
+        self, config: GroupedEmbeddingConfig, kernel_type: type
+    ) -> Optional[Tuple[nn.Module, int, int]]:
         """
-        The old kernel holding every table of a new grouped config, and each
-        table's position in it; None when the config is not made of kept tables
-        of one old kernel of the same type.
+        (old kernel, first position, count) when every table of ``config`` is a
+        kept shard of one old kernel of ``kernel_type``, at consecutive
+        positions in order; else None.
         """
+        if not self._reuse:
+            return None
         keys = [_shard_key(t) for t in config.embedding_tables]
-        kernels = {id(self._kernels.get(k)) for k in keys}
-        if not keys or len(kernels) != 1 or keys[0] not in self._kernels:
+        if not keys or any(k not in self._kept for k in keys):
             return None
-        source = self._kernels[keys[0]]
-        if type(source.batched.emb_module) is not kernel_type:
+        kernel, first = self._kept[keys[0]]
+        if type(kernel) is not kernel_type:
             return None
-        return source.batched, [source.positions[k] for k in keys]
+        for i, key in enumerate(keys):
+            other, position = self._kept[key]
+            if other is not kernel or position != first + i:
+                return None
+        return kernel, first, len(keys)
 
-    def record(self, tensor: torch.Tensor, offset: int, numel: int) -> None:
-        """Notes that a new kernel uses ``numel`` elements of ``tensor`` at ``offset``."""
-        self._kept_regions.setdefault(tensor.data_ptr(), []).append((offset, numel))
+    def _kept_view(
+        self, kernel: nn.Module, state: str, first: int, count: int
+    ) -> Optional[torch.Tensor]:
+        """A 1-D view of positions ``first .. first + count - 1`` of one state."""
+        if isinstance(kernel, DenseTableBatchedEmbeddingBagsCodegen):
+            if state != "weights":
+                return None
+            tensor = kernel.weights
+            offsets = list(kernel.weights_physical_offsets)
+        else:
+            tensor = getattr(kernel, f"{state}_host", None)
+            offsets = getattr(kernel, f"{state}_physical_offsets", None)
+            placements = getattr(kernel, f"{state}_physical_placements", None)
+            if tensor is None or offsets is None or placements is None:
+                return None
+            host = EmbeddingLocation.HOST.value
+            if any(placements[p] != host for p in range(first, first + count)):
+                return None
+            offsets = list(offsets) + [tensor.numel()]
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+            return None
+        flat = tensor.detach().view(-1)
+        view = flat[offsets[first] : offsets[first + count]]
+        record = self._storages.get(view.untyped_storage().data_ptr())
+        if record is None:
+            return None
+        start = view.data_ptr() - record.storage.data_ptr()
+        record.live.append((start, view.numel() * view.element_size()))
+        return view
 
-    def release_departed_pages(self) -> int:
+    # ----------------------------------------------------------------- release
+
+    def release(self, module: nn.Module) -> int:
         """
-        Gives the pages of the old kernels' storage that no kept table uses back
-        to the OS: the departed tables of reused storages, and the whole
-        storage of old kernels nothing kept (which would otherwise wait for
-        Python's cycle collector). Call only after the swap: until then the old
-        kernels read them. Views taken from the module before the reshard
-        (e.g. an old state dict) of departed tables read zeros afterwards.
+        Decides what happens to the old kernels' storage, once the old kernels
+        are retired and nothing of the reshard references them any more. With
+        storage reuse off, it is simply dropped. Otherwise, a storage that only
+        the module (through the kernels that took it over)
+        and these hooks reference gives the pages nobody uses back to the OS:
+        the departed tables' pages, or all of it when no table stayed. A
+        storage something else references (a view a caller took before the
+        reshard) is left untouched. Either way this object drops its own
+        reference, so a storage nobody uses any more is freed now.
+
+        Args:
+            module (nn.Module): the sharded module, after the swap.
 
         Returns:
-            int: resident bytes given back.
+            int: resident bytes of tables' state given back to the OS (the
+            gradients and buffers of the old kernels go too, uncounted).
         """
+        self._kept = {}  # the old kernels must not count as holders
+        if not self._reuse:
+            self._storages = {}  # copied: the old storage is simply dropped
+            return 0
+        held = tensors_reachable_from(module)
         released = 0
-        seen: Set[int] = set()
-        for batched in self._old_batched:
-            for storage in _state_storages(batched.emb_module):
-                if storage.data_ptr() in seen:
-                    continue
-                seen.add(storage.data_ptr())
-                kept = self._kept_regions.get(storage.data_ptr(), [])
-                released += _release_pages(storage, kept)
-        self._old_batched = []
-        self._kernels = {}
-        self._kept_regions = {}
+        for ptr, record in self._storages.items():
+            others = _use_count(record.storage) - 1 - held.get(ptr, 0)
+            if others == 0:
+                pages = release_pages(record.storage, record.live)
+                released += pages if record.table_state else 0
+        self._storages = {}
         return released
 
 
-def _state_storages(kernel: nn.Module) -> List[torch.Tensor]:
-    """The 1-D CPU storages of a kernel's per-table state (weights, optimizer)."""
-    if isinstance(kernel, tbe_training.DenseTableBatchedEmbeddingBagsCodegen):
-        candidates = [kernel.weights]
-    else:
-        candidates = [
-            getattr(kernel, name)
-            for name in list(kernel._parameters) + list(kernel._buffers)
-            if name.endswith("_host")
-            and hasattr(kernel, name[: -len("_host")] + "_physical_offsets")
-        ]
-    return [
-        t.detach().view(-1)
-        for t in candidates
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous()
-    ]
+def _uninitialized_host_buffers(
+    tbe_kwargs: Mapping[str, Any]
+) -> Optional[Dict[str, torch.Tensor]]:
+    """
+    Uninitialised host buffers of the sizes fbgemm would allocate (and zero)
+    for a fused kernel on CPU: weights, and momentum1 for the optimizers whose
+    layout is known here. None when a table is not in host memory.
+    """
+    specs = tbe_kwargs.get("embedding_specs") or []
+    host = EmbeddingLocation.HOST
+    if not specs or any(spec[2] != host for spec in specs):
+        return None
+    device = tbe_kwargs.get("device") or torch.device("cpu")
+    rows = sum(spec[0] for spec in specs)
+    elements = sum(spec[0] * spec[1] for spec in specs)
+    precision = tbe_kwargs.get("weights_precision")
+    if precision is None:
+        return None
+    buffers = {
+        "weights": torch.empty(elements, dtype=precision.as_dtype(), device=device)
+    }
+    optimizer = tbe_kwargs.get("optimizer", EmbOptimType.EXACT_SGD)
+    rowwise = _MOMENTUM1_ROWWISE.get(optimizer)
+    if rowwise is not None and tbe_kwargs.get("optimizer_state_dtypes") is None:
+        buffers["momentum1"] = torch.empty(
+            rows if rowwise else elements, dtype=torch.float32, device=device
+        )
+    return buffers
 
 
-@functools.lru_cache(maxsize=1)
-def _libc() -> Optional[Any]:
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """References to a storage: tensors over it and Python storage objects."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+_FOLLOWED_PACKAGES: Tuple[str, ...] = ("torchrec.", "torch.", "fbgemm_gpu.")
+
+
+def _attributes(obj: object) -> List[object]:
+    """The attribute values of an object, from its ``__dict__`` and slots."""
+    values = list(getattr(obj, "__dict__", {}).values())
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                values.append(getattr(obj, name))
+    return values
+
+
+def _followed(obj: object) -> bool:
+    """Objects of the libraries a sharded module is made of."""
+    module = type(obj).__module__ or ""
+    return module.startswith(_FOLLOWED_PACKAGES) and not callable(obj)
+
+
+def _storage_address(tensor: torch.Tensor) -> Optional[int]:
+    """Where a CPU tensor's storage starts; None for wrappers without one."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.mincore.restype = ctypes.c_int
-    except (OSError, AttributeError):
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:  # a wrapper subclass (e.g. LocalShardsWrapper)
         return None
-    return libc
 
 
-def _resident_bytes(libc: Any, start: int, length: int) -> int:
-    """Bytes of the page-aligned range that are in memory (``mincore``)."""
-    pages = length // mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * pages)()
-    if libc.mincore(start, length, vec) != 0:
-        return length
-    flags = torch.frombuffer(vec, dtype=torch.uint8)
-    return int(flags.bitwise_and(1).sum()) * mmap.PAGESIZE
-
-
-def _release_pages(tensor: torch.Tensor, kept: Sequence[Tuple[int, int]]) -> int:
+def tensors_reachable_from(root: nn.Module) -> Dict[int, int]:
     """
-    ``madvise(MADV_DONTNEED)`` on the whole pages of ``tensor`` outside the
-    ``kept`` element ranges: their memory goes back to the OS (they would read
-    as zeros, but nothing reads them any more).
-    """
-    libc = _libc()
-    if libc is None or tensor.device.type != "cpu":
-        return 0
-    page = mmap.PAGESIZE
-    size = tensor.element_size()
-    base = tensor.data_ptr()
-    gaps: List[Tuple[int, int]] = []
-    cursor = 0
-    for offset, numel in sorted(kept):
-        if offset > cursor:
-            gaps.append((cursor, offset))
-        cursor = max(cursor, offset + numel)
-    if cursor < tensor.numel():
-        gaps.append((cursor, tensor.numel()))
-    released = 0
-    for start, end in gaps:
-        first = -(-(base + start * size) // page) * page
-        last = (base + end * size) // page * page
-        if last <= first:
-            continue
-        resident = _resident_bytes(libc, first, last - first)
-        if libc.madvise(first, last - first, mmap.MADV_DONTNEED) == 0:
-            released += resident
-    return released
-
-
-def _uninitialized(*size: Any, **kwargs: Any) -> torch.Tensor:
-    kwargs.pop("generator", None)
-    return torch.empty(*size, **kwargs)
-
-
-class _BuildState(threading.local):
-    config: Optional[Any] = None
-
-
-_build_state = _BuildState()
-# Builds of two reshards in different threads take turns: the hooks are global.
-_build_lock = threading.RLock()
-
-
-def _remember_config(original: Callable[..., None]) -> Callable[..., None]:
-    def __init__(self: nn.Module, config: Any, *args: Any, **kwargs: Any) -> None:
-        _build_state.config = config
-        original(self, config, *args, **kwargs)
-
-    return __init__
-
-
-def _split_from_old(
-    reuse: KeptStorage,
-    split: Any,
-    prefix: str,
-    dtype: torch.dtype,
-    kwargs: Dict[str, Any],
-) -> Any:
-    """The SplitState of a fused kernel's state pointing at the old storage."""
-    config = _build_state.config
-    source = (
-        reuse.source_for(config, tbe_training.SplitTableBatchedEmbeddingBagsCodegen)
-        if config is not None
-        else None
-    )
-    if source is None or split.host_size == 0 or split.dev_size or split.uvm_size:
-        return None
-    batched, positions = source
-    old = batched.emb_module
-    old_host = getattr(old, f"{prefix}_host", None)
-    old_offsets = getattr(old, f"{prefix}_physical_offsets", None)
-    old_placements = getattr(old, f"{prefix}_physical_placements", None)
-    if old_host is None or old_offsets is None or old_host.dtype != dtype:
-        return None
-    if any(old_placements[p] != EmbeddingLocation.HOST.value for p in positions):
-        return None
-    sizes = [
-        end - start
-        for start, end in zip(
-            split.offsets, list(split.offsets[1:]) + [split.host_size]
-        )
-    ]
-    offsets = [old_offsets[p] for p in positions]
-    host = old_host.detach().view(-1)
-    for offset, numel in zip(offsets, sizes):
-        reuse.record(host, offset, numel)
-    kwargs["preallocated_host_buffer"] = host
-    return split._replace(host_size=host.numel(), offsets=offsets)
-
-
-def _fused_host_buffers(
-    original: Callable[..., None], reuse: Optional[KeptStorage]
-) -> Callable[..., None]:
-    def apply_split_helper(*args: Any, **kwargs: Any) -> None:
-        current_device, split, prefix, dtype = args[2], args[5], args[6], args[7]
-        reused = (
-            _split_from_old(reuse, split, prefix, dtype, kwargs)
-            if reuse is not None
-            else None
-        )
-        if reused is not None:
-            args = args[:5] + (reused,) + args[6:]
-        elif (
-            prefix in _FILLED_HOST_BUFFERS
-            and split.host_size > 0
-            and kwargs.get("preallocated_host_buffer") is None
-        ):
-            kwargs["preallocated_host_buffer"] = torch.empty(
-                split.host_size, dtype=dtype, device=current_device
-            )
-        original(*args, **kwargs)
-
-    return apply_split_helper
-
-
-def _dense_weights_from_old(
-    original: Callable[..., None], reuse: KeptStorage
-) -> Callable[..., None]:
-    kernel_type = tbe_training.DenseTableBatchedEmbeddingBagsCodegen
-
-    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        config = _build_state.config
-        source = reuse.source_for(config, kernel_type) if config is not None else None
-        if source is None:
-            return
-        batched, positions = source
-        old = batched.emb_module
-        if old.weights.dtype != self.weights.dtype:
-            return
-        offsets = [old.weights_physical_offsets[p] for p in positions]
-        weights = old.weights.detach()
-        for offset, (rows, dim) in zip(offsets, self.embedding_specs):
-            reuse.record(weights, offset, rows * dim)
-        self.weights = nn.Parameter(weights, requires_grad=old.weights.requires_grad)
-        self.weights_physical_offsets = offsets
-        feature_table_map = kwargs.get("feature_table_map") or (
-            args[1] if len(args) > 1 and args[1] else range(len(offsets))
-        )
-        self.weights_offsets = torch.tensor(
-            [offsets[t] for t in feature_table_map],
-            device=self.weights_offsets.device,
-            dtype=torch.int64,
-        )
-
-    return __init__
-
-
-@contextlib.contextmanager
-def building_lookups(reuse: Optional[KeptStorage] = None) -> Iterator[None]:
-    """
-    While new lookups are built: no random init and no zero fill (the reshard
-    overwrites every byte), and kernels made only of kept tables of one old
-    kernel take that kernel's storage (``reuse``) instead of allocating.
-    Only the fused kernel has a switch for the zero fill (a preallocated host
-    buffer per constructor call), hence the hooks; they are scoped to the
-    build, builds of reshards in other threads wait for it, but a module built
-    by other code in another thread meanwhile would see them too.
+    The tensors a module holds, directly or through its submodules, kernels,
+    optimizers and state-dict views (and the bases of views), counted per
+    storage.
 
     Args:
-        reuse (Optional[KeptStorage]): old storage of kept tables, or None.
+        root (nn.Module): the module.
 
     Returns:
-        Iterator[None]: a context manager.
+        Dict[int, int]: storage address -> number of distinct tensors over it.
     """
-    with _build_lock, _build_hooks(reuse):
-        yield
-
-
-@contextlib.contextmanager
-def _build_hooks(reuse: Optional[KeptStorage]) -> Iterator[None]:
-    classes = (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)
-    saved_inits = [(cls, cls.__init__, cls.init_parameters) for cls in classes]
-    randn = torch.randn
-    split_helper = tbe_training.apply_split_helper
-    dense = tbe_training.DenseTableBatchedEmbeddingBagsCodegen
-    dense_init = dense.__init__
-    for cls, init, _ in saved_inits:
-        cls.__init__ = _remember_config(init)  # pyre-ignore[8]
-        cls.init_parameters = lambda self: None  # pyre-ignore[8]
-    torch.randn = _uninitialized  # pyre-ignore[9]
-    tbe_training.apply_split_helper = _fused_host_buffers(split_helper, reuse)
-    if reuse is not None:
-        dense.__init__ = _dense_weights_from_old(dense_init, reuse)  # pyre-ignore[8]
-    try:
-        yield
-    finally:
-        dense.__init__ = dense_init  # pyre-ignore[8]
-        tbe_training.apply_split_helper = split_helper
-        torch.randn = randn  # pyre-ignore[9]
-        for cls, init, init_parameters in saved_inits:
-            cls.__init__ = init  # pyre-ignore[8]
-            cls.init_parameters = init_parameters  # pyre-ignore[8]
-        _build_state.config = None
+    counts: Dict[int, int] = defaultdict(int)
+    seen: Set[int] = set()
+    stack: List[object] = [root]
+    while stack:
+        obj = stack.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (ShardedTensor, DTensor)):
+            stack.extend(_attributes(obj))  # wrappers: their parts hold storage
+        elif isinstance(obj, torch.Tensor):
+            address = _storage_address(obj)
+            if address is not None:
+                counts[address] += 1
+            stack.extend([obj._base, obj.grad] + _attributes(obj))
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, nn.Module) or _followed(obj):
+            stack.extend(_attributes(obj))
+    return dict(counts)

@@ -18,14 +18,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import (
     Shard,
     ShardedTensor,
     TensorProperties,
 )
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.resharding.exchange import exchange_pieces, Field, RECT
+from torchrec.distributed.resharding.exchange import exchange_pieces, Field, FieldKind
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
@@ -69,11 +68,7 @@ def _local_tensors(value: StateValue) -> Dict[Rect, torch.Tensor]:
     if isinstance(value, ShardedTensor):
         out = {}
         for shard in value.local_shards():
-            (row, col), (rows, cols) = (
-                shard.metadata.shard_offsets,
-                shard.metadata.shard_sizes,
-            )
-            out[Rect(row, col, rows, cols)] = shard.tensor
+            out[Rect.from_shard_metadata(shard.metadata)] = shard.tensor
         return out
     rows, cols = value.shape
     return {Rect(0, 0, rows, cols): value}
@@ -144,7 +139,7 @@ def shards_all_to_all(
         state_dict, changed_sharding_params, extend_shard_name, world_size
     )
     fields = {
-        name: [Field("weight", RECT, _dtype(state_dict[extend_shard_name(name)]))]
+        name: [Field("weight", FieldKind.RECT, _dtype(state_dict[extend_shard_name(name)]))]
         for name in changed_sharding_params
     }
     sources = {
@@ -282,7 +277,7 @@ def _as_state_value(
         else TensorProperties(dtype=old.dtype)
     )
     shards = [
-        Shard(locals_by_rect[_rect_of(m)], m)
+        Shard(locals_by_rect[Rect.from_shard_metadata(m)], m)
         for m in spec.shards
         if m.placement is not None and m.placement.rank() == rank
     ]
@@ -297,7 +292,3 @@ def _as_state_value(
         process_group=process_group,
     )
 
-
-def _rect_of(metadata: ShardMetadata) -> Rect:
-    (row, col), (rows, cols) = metadata.shard_offsets, metadata.shard_sizes
-    return Rect(row, col, rows, cols)

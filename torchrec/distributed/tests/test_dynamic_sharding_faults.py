@@ -14,13 +14,21 @@ its old plan, bit-equal to an untouched copy; a later reshard must still work.
 
 import time
 import unittest
-import weakref
 from datetime import timedelta
-from typing import Any, List
+from typing import Any, Callable, List
+from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.resharding import install, ReshardAbortedError
+from torch.distributed import distributed_c10d as c10d
+from torchrec.distributed.resharding import (
+    reshard_module,
+    ReshardAbortedError,
+    ReshardOptions,
+    transaction,
+)
+from torchrec.distributed.resharding.exchange import Field
+from torchrec.distributed.resharding.kernel_state import LocalSlot, read_piece
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -54,19 +62,19 @@ PLAN_B = {
 EXCHANGE_TIMEOUT = timedelta(seconds=5)
 
 
-def _raise_on_second_piece() -> Any:
+def _faulty_read_piece(fault: str) -> Callable[..., torch.Tensor]:
+    """``read_piece`` that raises on the second piece, or stalls past the timeout."""
     seen: List[Transfer] = []
 
-    def hook(transfer: Transfer) -> None:
+    def faulty(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
         seen.append(transfer)
-        if len(seen) == 2:
+        if fault == "raise" and len(seen) == 2:
             raise RuntimeError("injected fault in the middle of the exchange")
+        if fault == "timeout" and len(seen) == 1:
+            time.sleep(EXCHANGE_TIMEOUT.total_seconds() * 1.6)
+        return read_piece(slot, transfer, f)
 
-    return hook
-
-
-def _stall_past_timeout(transfer: Transfer) -> None:
-    time.sleep(EXCHANGE_TIMEOUT.total_seconds() * 1.6)
+    return faulty
 
 
 def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
@@ -85,25 +93,23 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
             train_step(module, batch)
             train_step(reference, batch)
 
-        if rank == 1:
-            install._exchange_fault_hook = (
-                _raise_on_second_piece() if fault == "raise" else _stall_past_timeout
-            )
+        faulty = _faulty_read_piece(fault) if rank == 1 else read_piece
         outcome = "no error"
         try:
-            install.reshard_embedding_bag_collection(
-                module,
-                delta(plan_a, plan_b),
-                env,
-                device,
-                max_inflight_bytes=1024,  # several rounds: fail mid-way
-                exchange_timeout=EXCHANGE_TIMEOUT,
-            )
+            with mock.patch.object(transaction, "read_piece", faulty):
+                reshard_module(
+                    module,
+                    delta(plan_a, plan_b),
+                    env,
+                    device,
+                    ReshardOptions(
+                        max_inflight_bytes=1024,  # several rounds: fail mid-way
+                        exchange_timeout=EXCHANGE_TIMEOUT,
+                    ),
+                )
         except ReshardAbortedError as e:
             outcome = "aborted"
             assert "module is unchanged" in str(e)
-        finally:
-            install._exchange_fault_hook = None
         outcomes: List[Any] = [None] * world_size
         dist.all_gather_object(outcomes, outcome, group=pg)
         assert outcomes == ["aborted"] * world_size, outcomes
@@ -126,30 +132,41 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         )
 
 
-def _run_stale_exchange_group(rank: int, world_size: int, port: str) -> None:
-    """A cached exchange group made for a group that is gone (whose id a new
-    group reuses) is not handed out."""
-    with process_group(rank, world_size, port) as (pg, _):
-        gone = dist.new_group(ranks=list(range(world_size)))
-        key = (id(pg), None)
-        install._exchange_groups[key] = (weakref.ref(gone), gone)
-        try:
-            group = install._exchange_group(pg, None)
-            assert group is not gone
-            assert install._exchange_groups[key][0]() is pg
-            assert install._exchange_group(pg, None) is group  # cached now
-            out = torch.zeros(world_size)
-            dist.all_to_all_single(
-                out, torch.full((world_size,), rank + 1.0), group=group
-            )
-            assert out.tolist() == [r + 1.0 for r in range(world_size)]
-        finally:
-            install._exchange_groups.pop(key, None)
+def _exchange_groups() -> List[str]:
+    return [n for n in c10d._world.pg_names.values() if "torchrec_reshard" in n]
+
+
+def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> None:
+    """Every reshard exchanges on a group of its own, destroyed afterwards:
+    nothing is cached between reshards (or keyed by a group's id)."""
+    with process_group(rank, world_size, port) as (pg, device):
+        ebc = make_ebc(4)
+        sharder = make_sharder("rowwise_adagrad")
+        env = ShardingEnv.from_process_group(pg)
+        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
+        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
+        module = shard(ebc, sharder, plan_a, env, device)
+        opened: List[str] = []
+        open_group = transaction.open_exchange_group
+
+        def recording(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
+            group = open_group(*args, **kwargs)
+            opened.append(c10d._get_process_group_name(group))
+            return group
+
+        with mock.patch.object(transaction, "open_exchange_group", recording):
+            for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):
+                reshard_module(module, delta(old, new), env, device)
+                assert _exchange_groups() == [], _exchange_groups()
+        assert len(set(opened)) == 3, opened
+        names: List[Any] = [None] * world_size
+        dist.all_gather_object(names, opened, group=pg)
+        assert all(n == opened for n in names), names
 
 
 class DynamicShardingFaultTest(ReshardTestBase):
-    def test_stale_exchange_group_is_not_reused(self) -> None:
-        self.run_ranks(_run_stale_exchange_group, 2)
+    def test_every_reshard_has_its_own_exchange_group(self) -> None:
+        self.run_ranks(_run_exchange_group_per_reshard, 2)
 
     def test_rank_raises_mid_exchange(self) -> None:
         self.run_ranks(

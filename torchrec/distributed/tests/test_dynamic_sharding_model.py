@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hypothesis import given
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.resharding.model import dry_run, plan_delta
+from torchrec.distributed.resharding import dry_run, plan_delta, ReshardOptions
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -168,7 +168,7 @@ def _run_model_reshard(
             expected = dry_run(model, new_plan)
             assert expected.deltas == plan_delta(model.plan, new_plan)
 
-            report = model.reshard(new_plan, progress=True)
+            report = model.reshard(new_plan, ReshardOptions(progress=True))
 
             moved: List[Any] = [None] * world_size
             dist.all_gather_object(

@@ -16,17 +16,17 @@ Every case is also checked against a module sharded directly with the new plan
 
 import mmap
 import unittest
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding import install
-from torchrec.distributed.resharding.install import (
-    _batched_modules,
-    local_slots,
-    reshard_embedding_bag_collection,
+from torchrec.distributed.resharding import (
+    reshard_module,
+    ReshardOptions,
     ReshardReport,
+    StorageMode,
 )
+from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -62,7 +62,7 @@ def _addresses(module: torch.nn.Module) -> Dict[str, Dict[str, int]]:
 
 
 def _kernel_count(module: torch.nn.Module) -> int:
-    return sum(1 for lookup in module._lookups for _ in _batched_modules(lookup))
+    return sum(1 for lookup in module._lookups for _ in batched_kernels(lookup))
 
 
 def _reshard_and_compare(
@@ -75,6 +75,7 @@ def _reshard_and_compare(
     device: torch.device,
     batch: object,
     kernel: str,
+    options: Optional[ReshardOptions] = None,
 ) -> ReshardReport:
     """Reshards ``module`` from ``old`` to ``new`` and checks it against a
     module sharded directly with ``new``, then trains both one step."""
@@ -85,7 +86,7 @@ def _reshard_and_compare(
     }
     weights = global_weights(module, pg)
     opt_state = global_optimizer_state(module, pg, shapes)
-    report = reshard_embedding_bag_collection(module, delta(old, new), env, device)
+    report = reshard_module(module, delta(old, new), env, device, options)
     reference = shard(ebc, sharder, new, env, device)
     load_global_state(reference, weights, opt_state)
     assert_state_dicts_equal(reference.state_dict(), module.state_dict())
@@ -154,11 +155,11 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
 
 def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
     """
-    Where pages cannot be released (devices other than CPU), a rebuilt group
-    is one kernel again and the tables that stay are copied locally; the
-    result is the same.
+    Where pages cannot be released (devices other than CPU, or when asked
+    for), a rebuilt group is one kernel again and the tables that stay are
+    copied locally; the result is the same.
     """
-    install.storage_reuse_supported = lambda device: False
+    copy = ReshardOptions(storage=StorageMode.COPY)
     with process_group(rank, world_size, port) as (pg, device):
         ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
         sharder = make_sharder("rowwise_adagrad")
@@ -172,7 +173,16 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
         module = shard(ebc, sharder, plans[0], env, device)
         train_step(module, batches[0])
         report = _reshard_and_compare(
-            module, ebc, sharder, plans[0], plans[1], env, device, batches[1], FUSED
+            module,
+            ebc,
+            sharder,
+            plans[0],
+            plans[1],
+            env,
+            device,
+            batches[1],
+            FUSED,
+            copy,
         )
         assert report.tables_kept_in_place == [], report
         assert report.bytes_copied_locally == ROWS * (DIM + 1) * 4, report

@@ -28,9 +28,7 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.exchange import (
     Field,
     field_kind,
-    RECT,
-    ROWS,
-    SCALAR,
+    FieldKind,
     split_into_rounds,
 )
 from torchrec.distributed.resharding.plan import (
@@ -96,6 +94,7 @@ def _sharding(
 
 # The table of the type-pair tests: 10 rows (row-wise splits are uneven:
 # 3, 3, 3, 1) and 256 columns (grid sharding needs two 128-column blocks).
+RECT, ROWS, SCALAR = FieldKind.RECT, FieldKind.ROWS, FieldKind.SCALAR
 ROWS_, COLS_ = 10, 256
 WORLD, LOCAL = 4, 2
 

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.resharding import storage
+from torchrec.distributed.resharding import memory
 from torchrec.distributed.resharding.storage import (
     BATCH_KEY,
     MAX_KERNELS_PER_GROUP,
@@ -104,12 +104,12 @@ class SplitKeptTablesTest(unittest.TestCase):
 @unittest.skipUnless(sys.platform.startswith("linux"), "madvise/mincore: Linux")
 class ReleasePagesTest(unittest.TestCase):
     def _resident(self, t: torch.Tensor, start: int, end: int) -> int:
-        libc = storage._libc()
+        libc = memory._LIBC
         assert libc is not None
         base = t.data_ptr()
         first = -(-(base + start * 4) // PAGE) * PAGE
         last = (base + end * 4) // PAGE * PAGE
-        return storage._resident_bytes(libc, first, last - first)
+        return memory._resident_bytes(libc, first, last - first)
 
     def test_only_pages_outside_kept_ranges_are_released(self) -> None:
         per_page = PAGE // 4
@@ -127,7 +127,9 @@ class ReleasePagesTest(unittest.TestCase):
         ]
         self.assertGreater(len(whole_pages), 40)
 
-        released = storage._release_pages(t, kept)
+        released = memory.release_pages(
+            t.untyped_storage(), [(o * 4, n * 4) for o, n in kept]
+        )
 
         self.assertEqual(released, len(whole_pages) * PAGE)
         # out of memory now (checked before anything reads them back in)
@@ -147,7 +149,7 @@ class ReleasePagesTest(unittest.TestCase):
 
     def test_nothing_kept_releases_every_whole_page(self) -> None:
         t = torch.ones(16 * PAGE // 4)
-        released = storage._release_pages(t, [])
+        released = memory.release_pages(t.untyped_storage(), [])
         aligned = t.data_ptr() % PAGE == 0
         self.assertEqual(released, (16 if aligned else 15) * PAGE)
 

@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Per-kernel state I/O for live resharding: every local shard of a sharded
+module's lookups as a :class:`LocalSlot` (the weight and the fused optimizer
+state that follow its rectangle, as views into the batched kernels' storage),
+and how a transferred piece is read from an old slot and written into a new one.
+"""
+
+from dataclasses import dataclass
+from typing import AbstractSet, Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Tuple
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torchrec.distributed.batched_embedding_kernel import (
+    BaseBatchedEmbedding,
+    BaseBatchedEmbeddingBag,
+    BatchedFusedEmbedding,
+    BatchedFusedEmbeddingBag,
+)
+from torchrec.distributed.resharding.exchange import Field, field_kind, FieldKind
+from torchrec.distributed.resharding.plan import Rect, Transfer
+
+WEIGHT = "weight"
+
+SlotKey = Tuple[str, Rect]
+
+
+@dataclass
+class LocalSlot:
+    """
+    One local shard of one table and the tensors that follow its rectangle.
+
+    Args:
+        table (str): table name.
+        rect (Rect): the shard, in global coordinates.
+        tensors (Dict[str, torch.Tensor]): "weight" and fused optimizer state,
+            views into the lookup's storage (RECT tensors viewed as 2D).
+    """
+
+    table: str
+    rect: Rect
+    tensors: Dict[str, torch.Tensor]
+
+
+def unwrap_lookup(lookup: nn.Module) -> nn.Module:
+    """
+    Args:
+        lookup (nn.Module): a lookup, possibly wrapped in DDP (data parallel).
+
+    Returns:
+        nn.Module: the lookup itself.
+    """
+    while isinstance(lookup, DistributedDataParallel):
+        lookup = lookup.module
+    return lookup
+
+
+def batched_kernels(lookup: nn.Module) -> Iterator[nn.Module]:
+    """
+    Args:
+        lookup (nn.Module): a lookup of a sharded module.
+
+    Returns:
+        Iterator[nn.Module]: its TorchRec batched kernels, in module order.
+    """
+    for module in unwrap_lookup(lookup).modules():
+        if isinstance(module, (BaseBatchedEmbedding, BaseBatchedEmbeddingBag)):
+            yield module
+
+
+def is_fused(batched: nn.Module) -> bool:
+    """Whether a batched kernel trains with a fused optimizer."""
+    return isinstance(batched, (BatchedFusedEmbedding, BatchedFusedEmbeddingBag))
+
+
+def shard_rect(table_config: Any) -> Rect:
+    """
+    Args:
+        table_config (ShardedEmbeddingTable): a table of a batched kernel.
+
+    Returns:
+        Rect: the local shard it holds, in global coordinates.
+    """
+    metadata = table_config.local_metadata
+    if metadata is None:
+        return Rect(0, 0, table_config.num_embeddings, table_config.embedding_dim)
+    return Rect.from_shard_metadata(metadata)
+
+
+def local_slots(lookups: Sequence[nn.Module]) -> Dict[SlotKey, LocalSlot]:
+    """
+    Args:
+        lookups (Sequence[nn.Module]): lookups of a sharded module.
+
+    Returns:
+        Dict[SlotKey, LocalSlot]: every local shard, keyed by table and rectangle.
+    """
+    slots: Dict[SlotKey, LocalSlot] = {}
+    for lookup in lookups:
+        for batched in batched_kernels(lookup):
+            tables = batched.config.embedding_tables
+            weights = batched.split_embedding_weights()
+            states: List[Mapping[str, torch.Tensor]] = [{} for _ in tables]
+            if is_fused(batched):
+                # Stateless optimizers (SGD) report no entries at all.
+                for i, state in enumerate(batched.emb_module.get_optimizer_state()):
+                    states[i] = state or {}
+            for table, weight, state in zip(tables, weights, states):
+                rect = shard_rect(table)
+                tensors: Dict[str, torch.Tensor] = {WEIGHT: weight.detach()}
+                for key, value in state.items():
+                    if field_kind(value, rect.rows, rect.cols) == FieldKind.RECT:
+                        value = value.view(rect.rows, rect.cols)
+                    tensors[key] = value
+                slots[(table.name, rect)] = LocalSlot(table.name, rect, tensors)
+    return slots
+
+
+def describe_fields(slot: LocalSlot) -> List[Tuple[str, str, str]]:
+    """(name, kind, dtype) of every tensor of a slot, as plain picklable text."""
+    return [
+        (name, field_kind(t, slot.rect.rows, slot.rect.cols).value, str(t.dtype))
+        for name, t in slot.tensors.items()
+    ]
+
+
+def fields_from_description(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
+    """The inverse of :func:`describe_fields`."""
+    return [
+        Field(name, FieldKind(kind), getattr(torch, dtype.replace("torch.", "")))
+        for name, kind, dtype in described
+    ]
+
+
+def read_piece(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
+    """
+    Args:
+        slot (LocalSlot): the source shard.
+        transfer (Transfer): the piece.
+        f (Field): which tensor.
+
+    Returns:
+        torch.Tensor: a view of the piece in the slot's tensor.
+    """
+    tensor = slot.tensors[f.name]
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == FieldKind.RECT:
+        return tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
+    if f.kind == FieldKind.ROWS:
+        return tensor[local.row : local.row + local.rows]
+    return tensor.reshape(1)
+
+
+class RowwiseMerges:
+    """
+    Row-wise state of new shards assembled from narrower column pieces.
+
+    Each row-wise value is a mean over its shard's columns, so a shard joined
+    from column pieces gets the column-width-weighted mean of the pieces'
+    values. It is accumulated exactly in float64 and rounded once at the end.
+    """
+
+    def __init__(self) -> None:
+        self._sums: Dict[Tuple[str, Rect, str], torch.Tensor] = {}
+        self._targets: Dict[Tuple[str, Rect, str], Tuple[torch.Tensor, int]] = {}
+
+    def add(self, slot: LocalSlot, name: str, local: Rect, data: torch.Tensor) -> None:
+        """Adds the row-wise values of a piece ``local`` (in slot coordinates)."""
+        key = (slot.table, slot.rect, name)
+        if key not in self._sums:
+            target = slot.tensors[name]
+            self._sums[key] = torch.zeros(
+                target.numel(), dtype=torch.float64, device=target.device
+            )
+            self._targets[key] = (target, slot.rect.cols)
+        rows = self._sums[key][local.row : local.row + local.rows]
+        rows.add_(data.view(-1).to(torch.float64) * local.cols)
+
+    def finish(self) -> None:
+        """Writes the means into their targets."""
+        for key, total in self._sums.items():
+            target, cols = self._targets[key]
+            target.copy_((total / cols).to(target.dtype))
+        self._sums.clear()
+        self._targets.clear()
+
+
+def write_piece(
+    slot: LocalSlot,
+    transfer: Transfer,
+    f: Field,
+    data: torch.Tensor,
+    merges: RowwiseMerges,
+) -> None:
+    """
+    Writes a received (or locally read) piece into a new slot.
+
+    Args:
+        slot (LocalSlot): the destination shard.
+        transfer (Transfer): the piece.
+        f (Field): which tensor.
+        data (torch.Tensor): the piece's values, as many as ``f`` says.
+        merges (RowwiseMerges): collects row-wise state joined from columns.
+
+    Returns:
+        None
+    """
+    tensor = slot.tensors.get(f.name)
+    if tensor is None:
+        return  # the new kernel keeps no such state (e.g. fused -> dense)
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == FieldKind.RECT:
+        target = tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
+        target.copy_(data.view(local.rows, local.cols))
+    elif f.kind == FieldKind.ROWS:
+        if local.cols == slot.rect.cols:
+            tensor[local.row : local.row + local.rows].copy_(data.view(-1))
+        else:
+            merges.add(slot, f.name, local, data)
+    else:
+        tensor.view(-1).copy_(data.view(-1))
+
+
+def target_piece(
+    slot: LocalSlot, transfer: Transfer, f: Field
+) -> Optional[torch.Tensor]:
+    """
+    Where a received piece lands when :func:`write_piece` would only copy it
+    (the exchange then receives straight into it); None when it does more (a
+    row-wise merge) or the new kernel keeps no such state.
+    """
+    tensor = slot.tensors.get(f.name)
+    if tensor is None or tensor.dtype != f.dtype:
+        return None
+    local = transfer.rect.relative_to(slot.rect)
+    if f.kind == FieldKind.RECT:
+        target = tensor[
+            local.row : local.row + local.rows, local.col : local.col + local.cols
+        ]
+        return target if target.is_contiguous() else None
+    if f.kind == FieldKind.ROWS:
+        if local.cols != slot.rect.cols:
+            return None
+        return tensor[local.row : local.row + local.rows]
+    return tensor.view(-1) if tensor.numel() == 1 else None
+
+
+def zero_undelivered_state(
+    new_slots: Mapping[SlotKey, LocalSlot],
+    fields: Mapping[str, Sequence[Field]],
+    in_place: AbstractSet[SlotKey],
+) -> None:
+    """
+    State no piece carries (e.g. a dense or data-parallel table turning fused)
+    starts from zero, as in a freshly built kernel. Slots kept in place are
+    live state of the module and never touched.
+    """
+    for key, slot in new_slots.items():
+        if key in in_place:
+            continue
+        delivered = {f.name for f in fields.get(slot.table, [])}
+        for name, tensor in slot.tensors.items():
+            if name not in delivered:
+                tensor.zero_()
+
+
+def kept_in_place(
+    old_slots: Mapping[SlotKey, LocalSlot],
+    new_slots: Mapping[SlotKey, LocalSlot],
+) -> List[SlotKey]:
+    """Slots whose new kernel took over the old storage (same memory)."""
+    kept = []
+    for key, new in new_slots.items():
+        old = old_slots.get(key)
+        if old is not None and all(
+            name in old.tensors
+            and tensor.data_ptr() == old.tensors[name].data_ptr()
+            and tensor.shape == old.tensors[name].shape
+            for name, tensor in new.tensors.items()
+        ):
+            kept.append(key)
+    return kept
+
+
+def slot_bytes(slot: LocalSlot) -> int:
+    """Bytes of every tensor of a slot."""
+    return sum(t.numel() * t.element_size() for t in slot.tensors.values())
