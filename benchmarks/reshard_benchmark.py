@@ -186,17 +186,25 @@ def make_sharder(kernel: str, optimizer: str) -> Any:
 def shard(
     ebc: Any, plan: Any, env: Any, kernel: str, optimizer: str, random_init: bool
 ) -> Any:
-    from torchrec.distributed.resharding.storage import building_lookups
+    from torchrec.distributed.batched_embedding_kernel import (
+        kernel_build_hooks,
+        KernelBuildHooks,
+    )
+
+    class NoInit(KernelBuildHooks):
+        # fill() overwrites every weight: skip the random init
+        def init_parameters(self, config: Any) -> bool:
+            return False
 
     sharder = make_sharder(kernel, optimizer)
-    ctx = contextlib.nullcontext() if random_init else building_lookups()
+    ctx = contextlib.nullcontext() if random_init else kernel_build_hooks(NoInit())
     with ctx:
         return sharder.shard(ebc, plan, env, torch.device("cpu"))
 
 
 def local_tensors(module: Any) -> Dict[str, Dict[str, torch.Tensor]]:
     """table -> {"weight": 2D view, state key: tensor} for every local table."""
-    from torchrec.distributed.resharding.install import local_slots
+    from torchrec.distributed.resharding.kernel_state import local_slots
 
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for (table, _), slot in local_slots(module._lookups).items():
@@ -291,24 +299,35 @@ def check(
 
 
 class Breakdown:
-    """Wraps install.py's steps to time them (the rest is 'other')."""
-
-    STEPS = ["agree", "_build_groups", "local_slots", "exchange_pieces"]
+    """
+    Wraps the transaction's steps to time them (the rest is 'other'): the
+    benchmark process's own instrumentation, undone on exit.
+    """
 
     def __init__(self) -> None:
         import torchrec.distributed.resharding.install as install
+        import torchrec.distributed.resharding.storage as storage
+        import torchrec.distributed.resharding.transaction as transaction
 
-        self.install = install
+        self.steps: List[Tuple[Any, str, str]] = [
+            (transaction, "build_groups", "build"),
+            (transaction, "agree", "agree"),
+            (install, "local_slots", "slots"),
+            (transaction, "open_exchange_group", "group"),
+            (transaction, "exchange_pieces", "exchange"),
+            (install.ShardedModuleAdapter, "install", "install"),
+            (storage.KeptStorage, "release", "release"),
+        ]
         self.seconds: Dict[str, float] = {}
-        self.originals: Dict[str, Callable[..., Any]] = {}
+        self.originals: List[Tuple[Any, str, Any]] = []
 
     def __enter__(self) -> "Breakdown":
-        for name in self.STEPS:
-            original = getattr(self.install, name)
-            self.originals[name] = original
+        for owner, name, label in self.steps:
+            original = getattr(owner, name)
+            self.originals.append((owner, name, original))
 
             def wrapped(
-                *a: Any, _o: Callable[..., Any] = original, _n: str = name, **k: Any
+                *a: Any, _o: Callable[..., Any] = original, _n: str = label, **k: Any
             ) -> Any:
                 t0 = time.perf_counter()
                 try:
@@ -318,12 +337,12 @@ class Breakdown:
                         self.seconds.get(_n, 0.0) + time.perf_counter() - t0
                     )
 
-            setattr(self.install, name, wrapped)
+            setattr(owner, name, wrapped)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        for name, original in self.originals.items():
-            setattr(self.install, name, original)
+        for owner, name, original in self.originals:
+            setattr(owner, name, original)
 
 
 # --------------------------------------------------------------- methods ----
@@ -405,7 +424,7 @@ def run_fork(
     env: Any,
     resettable: bool,
 ) -> Dict[str, Any]:
-    from torchrec.distributed.resharding.install import reshard_embedding_bag_collection
+    from torchrec.distributed.resharding import reshard_module, ReshardOptions
 
     kernel = "dense" if method == "dense" else "fused"
     cap = args.max_inflight_mib * MiB if method == "fused_cap" else None
@@ -424,8 +443,12 @@ def run_fork(
             s, peak, report = timed(
                 pg,
                 resettable,
-                lambda: reshard_embedding_bag_collection(
-                    module, delta, env, torch.device("cpu"), max_inflight_bytes=cap
+                lambda: reshard_module(
+                    module,
+                    delta,
+                    env,
+                    torch.device("cpu"),
+                    ReshardOptions(max_inflight_bytes=cap),
                 ),
             )
         current = target
@@ -703,7 +726,7 @@ def breakdown_text(rows: List[Dict[str, Any]]) -> str:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in bd.items())
         if "total" in bd:
             other = bd["total"] - sum(v for k, v in bd.items() if k != "total")
-            parts += f", other (local copies, planning) {other:.3f}"
+            parts += f", other (planning, local copies) {other:.3f}"
         lines.append(f"  {r['size_mib']:>5} MiB {r['method']:<10} {parts}")
     text = "\n".join(lines)
     print(text, flush=True)

@@ -13,7 +13,7 @@ sparse feature, plus a replicated MLP over the pooled embeddings and a few dense
 features, trained on synthetic click labels with BCE) is sharded under plan A
 and trained for ``--steps-before`` steps. The job then reshards the embedding
 tables **in place** to plan B with
-``torchrec.distributed.resharding.install.reshard_embedding_bag_collection``
+``torchrec.distributed.resharding.reshard_module``
 (the same process, process group and module object) and trains
 ``--steps-after`` more steps.
 
@@ -719,7 +719,7 @@ def worker(args: argparse.Namespace) -> int:
     """Runs the demo on this rank; returns the exit status."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.resharding.install import reshard_embedding_bag_collection
+    from torchrec.distributed.resharding import reshard_module
     from torchrec.distributed.types import ShardingEnv
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -816,7 +816,7 @@ def worker(args: argparse.Namespace) -> int:
         LOG.info("phase 4/5 reshard live A -> B (%d tables in the delta)", len(delta))
         dist.barrier(group=pg)
         t0 = time.perf_counter()
-        report = reshard_embedding_bag_collection(live.ebc, delta, env, device)
+        report = reshard_module(live.ebc, delta, env, device)
         wall = time.perf_counter() - t0
         live.plan.update(delta)
         live.rebuild_emb_opt()
