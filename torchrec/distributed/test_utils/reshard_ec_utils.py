@@ -57,11 +57,16 @@ def make_ec(
     return EmbeddingCollection(tables=tables, device=torch.device("cpu"))
 
 
-def make_ec_sharder(optimizer: Optional[str]) -> EmbeddingCollectionSharder:
+def make_ec_sharder(
+    optimizer: Optional[str], output_dtensor: bool = False
+) -> EmbeddingCollectionSharder:
     """
     Args:
         optimizer (Optional[str]): fused optimizer name (see
             ``reshard_utils.OPTIMIZERS``), or None.
+        output_dtensor (bool): ask for DTensor state dicts through the
+            ``output_dtensor`` fused param (TorchRec 1.1.0's EC switch) rather
+            than through ``ShardingEnv.output_dtensor``.
 
     Returns:
         EmbeddingCollectionSharder: the sharder.
@@ -71,6 +76,8 @@ def make_ec_sharder(optimizer: Optional[str]) -> EmbeddingCollectionSharder:
         fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
         if optimizer != "sgd":
             fused["eps"] = 0.01
+    if output_dtensor:
+        fused["output_dtensor"] = True
     return EmbeddingCollectionSharder(fused_params=fused or None)
 
 

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, HealthCheck, settings, Verbosity
+from torch.distributed._tensor import DTensor
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
@@ -55,7 +56,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     shard,
     TableSpec,
 )
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType
 
 FUSED = EmbeddingComputeKernel.FUSED.value
@@ -85,13 +86,16 @@ def _run_ec_reshard_case(
     kernel: str = FUSED,
     optimizer: Optional[str] = "rowwise_adagrad",
     steps_before: int = 2,
+    output_dtensor: str = "",
 ) -> None:
     """
     Shards an EC under ``plans[0]``, trains ``steps_before`` steps, reshards
     through ``plans[1:]`` in order (each step checked against a module sharded
     directly with its plan), then trains both one more step and compares.
     Training before or after is skipped where the plan cannot run forward on
-    this machine (see ``_runs_forward``).
+    this machine (see ``_runs_forward``). ``output_dtensor`` asks for DTensor
+    state dicts through the environment ("env") or the fused params
+    ("fused_param"); every sharded table's state is then checked to be one.
     """
     with process_group(rank, world_size, port) as (pg, device):
         num_tables = len(plans[0])
@@ -101,8 +105,11 @@ def _run_ec_reshard_case(
             f"embeddings.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
             for c in ec.embedding_configs()
         }
-        sharder = make_ec_sharder(optimizer if kernel == FUSED else None)
-        env = ShardingEnv.from_process_group(pg)
+        sharder = make_ec_sharder(
+            optimizer if kernel == FUSED else None,
+            output_dtensor=output_dtensor == "fused_param",
+        )
+        env = ShardingEnv(world_size, rank, pg, output_dtensor=output_dtensor == "env")
         module_plans = [
             make_plan(ec, p, world_size, world_size, kernel, device.type)  # pyre-ignore
             for p in plans
@@ -124,6 +131,9 @@ def _run_ec_reshard_case(
 
             m1 = shard(ec, sharder, new, env, device)  # pyre-ignore[6]
             load_global_state(m1, weights, opt_state)
+            if output_dtensor:
+                _assert_dtensor_state(m1, new)
+                _assert_dtensor_state(m2, new)
             assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
             assert_optimizer_states_equal(m1, m2)
             assert m1.module_sharding_plan == m2.module_sharding_plan
@@ -142,6 +152,22 @@ def _run_ec_reshard_case(
             assert_ec_outputs_equal(out1, out2)
         assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
         assert_optimizer_states_equal(m1, m2)
+
+
+def _assert_dtensor_state(module: torch.nn.Module, plan: Dict[str, Any]) -> None:
+    """Every table's state-dict value is a DTensor of the table's full shape,
+    except data-parallel tables' (plain tensors)."""
+    for key, value in module.state_dict().items():
+        table = key.split(".")[1]
+        if plan[table].sharding_type == ShardingType.DATA_PARALLEL.value:
+            assert type(value) is torch.Tensor, (key, type(value))
+        else:
+            assert isinstance(value, DTensor), (key, type(value))
+            config = module._table_name_to_config[table]
+            assert tuple(value.size()) == (
+                config.num_embeddings,
+                config.embedding_dim,
+            ), (key, value.size())
 
 
 def _run_ec_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
@@ -264,6 +290,53 @@ class DynamicShardingECTest(MultiProcessTestBase):
             "t2": ("row_wise", None),
         }
         self._run(plans=[a, b, c, a], data_type=DataType.FP16, steps_before=1)
+
+    def test_reshard_ec_dtensor_type_changes(self) -> None:
+        # DTensor state dicts (ShardingEnv.output_dtensor): trained under w,
+        # then every table changes type at every step (TW->CW, CW->RW,
+        # RW->TW, TW->DP, then CW->RW, RW->TW, TW->CW, DP->CW), and back.
+        w = {
+            "t0": ("table_wise", 0),
+            "t1": ("column_wise", [0, 1]),
+            "t2": ("row_wise", None),
+            "t3": ("table_wise", 1),
+        }
+        a = {
+            "t0": ("column_wise", [0, 1]),
+            "t1": ("row_wise", None),
+            "t2": ("table_wise", 0),
+            "t3": ("data_parallel", None),
+        }
+        b = {
+            "t0": ("row_wise", None),
+            "t1": ("table_wise", 1),
+            "t2": ("column_wise", [1, 0]),
+            "t3": ("column_wise", [0, 1]),
+        }
+        self._run(plans=[w, a, b, w], output_dtensor="env", steps_before=2)
+
+    def test_reshard_ec_dtensor_from_fused_param(self) -> None:
+        # The same through the EC's fused-param switch, with the changes the
+        # case above lacks: DP->TW, RW->DP, TW->RW, DP->RW, CW->TW.
+        x0 = {
+            "t0": ("data_parallel", None),
+            "t1": ("row_wise", None),
+            "t2": ("table_wise", 0),
+            "t3": ("column_wise", [0, 1]),
+        }
+        x1 = {
+            "t0": ("table_wise", 1),
+            "t1": ("data_parallel", None),
+            "t2": ("row_wise", None),
+            "t3": ("column_wise", [1, 0]),
+        }
+        x2 = {
+            "t0": ("column_wise", [0, 1]),
+            "t1": ("row_wise", None),
+            "t2": ("table_wise", 0),
+            "t3": ("table_wise", 1),
+        }
+        self._run(plans=[x0, x1, x2], output_dtensor="fused_param", optimizer="adagrad")
 
     def test_reshard_ec_untouched_groups_keep_their_lookups(self) -> None:
         self._run_multi_process_test(
