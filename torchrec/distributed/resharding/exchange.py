@@ -216,6 +216,18 @@ def agree(
             f"{timeout}; nothing moved and the module is unchanged"
         )
     gathered = [pickle.loads(store.get(f"{here}/rank{r}")) for r in range(world_size)]
+    # Nobody returns (and may exit, taking the store's host with it) before
+    # every rank has read the facts.
+    if int(store.add(f"{here}/read", 1)) >= world_size:
+        store.set(f"{here}/all_read", _GO)
+    else:
+        try:
+            store.wait([f"{here}/all_read"], timeout)
+        except dist.DistStoreError as e:
+            raise ReshardAbortedError(
+                f"rank {rank}: a rank left the reshard while the ranks agreed; "
+                "nothing moved and the module is unchanged"
+            ) from e
     digests = [g[0] for g in gathered]
     if len(set(digests)) != 1:
         groups: Dict[int, List[int]] = {}

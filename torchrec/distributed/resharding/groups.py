@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embeddingbag import table_fused_params
 from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
@@ -37,10 +38,6 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
-from torchrec.distributed.utils import (
-    add_params_from_parameter_sharding,
-    convert_to_fbgemm_types,
-)
 
 @dataclass
 class NewGroups:
@@ -70,9 +67,10 @@ def infos_for_plan(
     adapter: ShardedModuleAdapter, new_plan: Mapping[str, ParameterSharding]
 ) -> "OrderedDict[str, List[EmbeddingShardingInfo]]":
     """
-    The module's sharding infos under a new plan: the same grouping and order
-    as the module's ``__init__`` (sharding types in order of their first table,
-    tables in config order). A table whose sharding does not change keeps its
+    The module's sharding infos under a new plan: the same grouping, order and
+    fused params as the module's ``__init__`` (sharding types in order of their
+    first table, tables in config order; a table's kernel options come from its
+    new ParameterSharding). A table whose sharding does not change keeps its
     info object.
 
     Args:
@@ -94,8 +92,9 @@ def infos_for_plan(
         if ps is old.param_sharding:
             info = old
         else:
-            fused_params = convert_to_fbgemm_types(
-                add_params_from_parameter_sharding(copy.copy(old.fused_params), ps)
+            # what the module's __init__ would give the table under ``ps``
+            fused_params = table_fused_params(
+                copy.deepcopy(adapter.sharder_fused_params()), old.param, ps
             )
             info = EmbeddingShardingInfo(
                 embedding_config=copy.deepcopy(old.embedding_config),

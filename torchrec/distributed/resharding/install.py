@@ -21,6 +21,7 @@ module's attributes.
 """
 
 import abc
+import gc
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -78,6 +79,22 @@ class ShardedModuleAdapter(abc.ABC):
     def device(self) -> Optional[torch.device]:
         """The module's device."""
         return self.module._device
+
+    def sharder_fused_params(self) -> Optional[Dict[str, Any]]:
+        """The fused params of the sharder that built the module."""
+        return self.module._fused_params
+
+    def has_pending_backward(self) -> bool:
+        """
+        Whether a forward left an autograd graph through the module's lookups
+        that backward has not run through. A graph nothing references but its
+        own reference cycles (TorchRec's collective awaitables make some) is
+        collected first.
+        """
+        if not self.module.has_pending_backward():
+            return False
+        gc.collect()
+        return self.module.has_pending_backward()
 
     def sharding_infos(self) -> Mapping[str, List[EmbeddingShardingInfo]]:
         """The module's tables per sharding type, in group order."""
@@ -154,6 +171,12 @@ class ShardedModuleAdapter(abc.ABC):
             )
         if env.process_group is None:
             raise ReshardError("resharding needs the module's process group")
+        if changed_sharding_params and self.has_pending_backward():
+            raise ReshardError(
+                "a forward through the module left an autograd graph that backward "
+                "has not run through yet: call backward (or drop the graph) first, "
+                "then reshard"
+            )
         world_size = dist.get_world_size(env.process_group)
         device_type = (device or self.device() or torch.device("cpu")).type
         plan = self.plan()

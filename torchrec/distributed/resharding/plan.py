@@ -56,6 +56,17 @@ MOVABLE_SHARDING_TYPES: Tuple[str, ...] = (
     ShardingType.DATA_PARALLEL.value,
 )
 
+# ParameterSharding fields a kernel is built with: a reshard that changes one
+# rebuilds the table's kernel with it (its state carried over).
+KERNEL_OPTIONS: Tuple[str, ...] = (
+    "cache_params",
+    "enforce_hbm",
+    "stochastic_rounding",
+    "bounds_check_mode",
+    "output_dtype",
+    "key_value_params",
+)
+
 MOVABLE_COMPUTE_KERNELS: Tuple[str, ...] = (
     EmbeddingComputeKernel.DENSE.value,
     EmbeddingComputeKernel.FUSED.value,
@@ -503,8 +514,9 @@ def describe_parameter_sharding(parameter_sharding: ParameterSharding) -> str:
         parameter_sharding (ParameterSharding): a sharding.
 
     Returns:
-        str: a canonical text of everything that decides where bytes go, equal
-        on every rank that holds an equal ParameterSharding.
+        str: a canonical text of everything that decides where bytes go and
+        how the kernel is built, equal on every rank that holds an equal
+        ParameterSharding.
     """
     spec = parameter_sharding.sharding_spec
     shards = ""
@@ -513,9 +525,12 @@ def describe_parameter_sharding(parameter_sharding: ParameterSharding) -> str:
             f"{list(m.shard_offsets)}+{list(m.shard_sizes)}@{m.placement}"
             for m in spec.shards
         )
+    options = "|".join(
+        repr(getattr(parameter_sharding, name, None)) for name in KERNEL_OPTIONS
+    )
     return (
         f"{parameter_sharding.sharding_type}|{parameter_sharding.compute_kernel}|"
-        f"{parameter_sharding.ranks}|{shards}"
+        f"{parameter_sharding.ranks}|{shards}|{options}"
     )
 
 

@@ -22,7 +22,6 @@ A reshard changes the module it is given and nothing else:
 """
 
 import io
-import sys
 import tempfile
 import threading
 import unittest
