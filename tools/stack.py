@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import string
 import subprocess
 import sys
@@ -641,19 +642,22 @@ def _check_entry(
     workdir = scratch / f"run-{index:02d}"
     workdir.mkdir(exist_ok=True)
     start = time.monotonic()
+    # Its own session: on a timeout (or an interrupt) the runner and every
+    # process its tests started (ranks, forkservers) are stopped together.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BISECT_RUNNER, json.dumps(config)],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _BISECT_RUNNER, json.dumps(config)],
-            cwd=workdir,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=BISECT_ENTRY_TIMEOUT_S,
-        )
-    except subprocess.TimeoutExpired as exc:
-        output = (exc.stdout or "") + (exc.stderr or "")
-        if isinstance(output, bytes):
-            output = output.decode(errors="replace")
+        output, _ = proc.communicate(timeout=BISECT_ENTRY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        output, _ = proc.communicate()
         return BisectResult(
             index,
             entry.name,
@@ -663,11 +667,21 @@ def _check_entry(
             time.monotonic() - start,
             output,
         )
+    except BaseException:
+        _kill_session(proc)
+        raise
     seconds = time.monotonic() - start
-    output = proc.stdout + proc.stderr
     if proc.returncode == 0:
         return BisectResult(index, entry.name, tests, True, "", seconds, output)
     reason = "tests failed" if proc.returncode == 1 else f"exit {proc.returncode}"
     if proc.returncode == 5:
         reason = "pytest collected no test"
     return BisectResult(index, entry.name, tests, False, reason, seconds, output)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop whatever is left of the session the runner leads."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
