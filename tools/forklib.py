@@ -446,12 +446,8 @@ def _apply_to_files(
         args = ["apply", "--whitespace=nowarn", "-p1"] + (["-R"] if reverse else [])
         proc = git(args + ["-"], root, check=False, input=diff, isolate=True)
         if proc.returncode != 0:
-            direction = "in reverse to the overlay's files" if reverse else ""
-            raise ForkError(
-                f"{what} does not apply {direction}: {proc.stderr.strip()}".replace(
-                    "  ", " "
-                )
-            )
+            how = "in reverse to the overlay's files" if reverse else "forwards"
+            raise ForkError(f"{what} does not apply {how}: {proc.stderr.strip()}")
         return {rel: (root / rel).read_bytes() for rel in files}
 
 
