@@ -249,7 +249,9 @@ def export_series(repo: Path, out: Path) -> List[Path]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export the stack as an upstream-ready series."""
-    identity = st.parse_author(args.author) if args.author else None
+    identity = st.export_identity(args.repo)
+    if args.author:
+        identity.update(st.parse_author(args.author))
     export = st.export_stack(
         args.repo,
         args.dir.resolve(),
