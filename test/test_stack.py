@@ -199,6 +199,40 @@ def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> Non
     assert any(name in p and "does not apply" in p for p in problems), problems
 
 
+def test_absorb_folds_an_edit_into_the_last_overlay_diff(repo_copy: Path) -> None:
+    """An edit of a file that breaks its overlay diffs goes into the last
+    entry that changes the file; the file's earlier versions stay."""
+    forklib.git(["init", "-q"], repo_copy)
+    forklib.commit_all(repo_copy, "the fork")
+    entries = forklib.load_stack(repo_copy)
+    before = forklib.stack_file_versions(repo_copy, entries)
+    entry = next(e for e in entries if e.overlay_diff)
+    target = forklib.diff_changes(entry.overlay_diff)[0].path
+    last = max(
+        i
+        for i, e in enumerate(entries)
+        if any(c.path == target for c in forklib.diff_changes(e.overlay_diff))
+    )
+    path = repo_copy / target
+    hunk = next(
+        line for line in entry.overlay_diff.splitlines() if line.startswith("@@")
+    )
+    start = int(hunk.split("+", 1)[1].split(",", 1)[0].split(" ", 1)[0])
+    lines = path.read_text().splitlines(keepends=True)
+    lines[start - 1] = "# an edit the overlay diffs do not know\n"
+    path.write_text("".join(lines))
+    assert forklib.stack_problems(repo_copy)
+
+    proc = run_fork(repo_copy, "absorb")
+    assert proc.returncode == 0, proc.stderr
+    assert forklib.stack_problems(repo_copy) == []
+    after = forklib.stack_file_versions(repo_copy)
+    assert after[last][target] == path.read_bytes()
+    for i in range(last):
+        assert after[i] == before[i], entries[i].name
+    assert run_fork(repo_copy, "absorb").stdout.strip() == "every overlay diff applies"
+
+
 def test_overlay_diff_without_an_entry_is_reported(repo_copy: Path) -> None:
     (repo_copy / "patches" / "gone.overlay.diff").write_text("")
     problems = forklib.stack_problems(repo_copy)
@@ -240,7 +274,8 @@ def test_stack_command_reports_sizes() -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["export", "stack", "stack-tree", "refresh-stack", "bisect-check"]
+    "command",
+    ["export", "stack", "stack-tree", "refresh-stack", "absorb", "bisect-check"],
 )
 def test_stack_subcommands_have_help(command: str) -> None:
     proc = run_fork(REPO, command, "--help")

@@ -310,6 +310,17 @@ def cmd_refresh_stack(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_absorb(args: argparse.Namespace) -> int:
+    """Fold changes of overlay files into the overlay diffs that no longer apply."""
+    for path in st.absorb_overlay_changes(args.repo):
+        print(f"rewrote {path}")
+    problems = fl.stack_problems(args.repo)
+    if problems:
+        raise st.StackError(problems)
+    print("every overlay diff applies")
+    return 0
+
+
 def cmd_bisect_check(args: argparse.Namespace) -> int:
     """Check every commit of the stack on its own."""
     results = st.bisect_check(
@@ -486,6 +497,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tree_arg(p, fl.REPO_ROOT / ".fork" / "stack")
     p.set_defaults(func=cmd_refresh_stack)
+
+    p = sub.add_parser(
+        "absorb",
+        help="fold edits of overlay files into the overlay diffs they broke",
+        description="When an edit of an overlay file makes an overlay diff "
+        f"(patches/NAME{fl.OVERLAY_DIFF_SUFFIX}) stop applying, rewrite the diff "
+        "of the last entry that changes the file so that it ends with the edited "
+        "file: the edit goes into that entry, earlier versions stay as they were. "
+        "The file's previous version comes from this checkout's git history.",
+    )
+    p.set_defaults(func=cmd_absorb)
 
     p = sub.add_parser(
         "bisect-check",

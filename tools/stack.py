@@ -325,6 +325,108 @@ def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
     return written
 
 
+def _file_diff(rel: str, before: bytes, after: bytes) -> str:
+    """``git diff`` of one file between two contents, as the overlay diffs
+    keep it (``a/``, ``b/`` prefixes)."""
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-diff-") as tmp:
+        root = Path(tmp)
+        fl.git(["init", "-q"], root)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(before)
+        fl.git(["add", "-A"], root)
+        (root / rel).write_bytes(after)
+        args = ["diff", "--no-color", "--no-ext-diff", "--no-renames"]
+        return fl.git(args + ["--src-prefix=a/", "--dst-prefix=b/"], root).stdout
+
+
+def _sections(diff: str) -> Dict[str, str]:
+    """A diff's ``diff --git`` sections, by file."""
+    parts = re.split(r"^(?=diff --git )", diff, flags=re.MULTILINE)
+    out: Dict[str, str] = {}
+    for part in parts:
+        changes = fl.diff_changes(part)
+        if changes:
+            out[changes[0].path] = part
+    return out
+
+
+def absorb_overlay_changes(repo: Path = fl.REPO_ROOT, depth: int = 200) -> List[Path]:
+    """
+    After overlay files changed, rewrite the overlay diffs that no longer
+    apply: a change to a file goes into the last entry whose overlay diff
+    changes that file, and the file's earlier versions stay as they were.
+    The file's previous final version is found in the repository's git
+    history (the newest one, among the last ``depth`` commits that touched
+    the file, on which the overlay diffs apply); so commit overlay diffs
+    together with the files they fit.
+
+    Args:
+        repo (Path): the fork repository (a git checkout).
+        depth (int): how many commits of each file's history to try.
+
+    Returns:
+        List[Path]: the overlay-diff files rewritten.
+
+    Raises:
+        fl.ForkError: when no earlier version of a file fits its overlay diffs.
+    """
+    stack = fl.load_stack(repo)
+    chains: Dict[str, List[int]] = {}
+    for k, entry in enumerate(stack):
+        for change in fl.diff_changes(entry.overlay_diff):
+            chains.setdefault(change.path, []).append(k)
+    rewritten: Dict[int, Dict[str, str]] = {}
+    for rel, ks in sorted(chains.items()):
+        final = (repo / rel).read_bytes()
+        diffs = [_sections(stack[k].overlay_diff)[rel] for k in ks]
+
+        def undo(content: bytes, diffs: Sequence[str] = diffs) -> bytes:
+            for diff in reversed(diffs):
+                content = fl._apply_to_files(
+                    {rel: content}, diff, reverse=True, what=rel
+                )[rel]
+            return content
+
+        try:
+            undo(final)
+            continue  # the diffs still apply
+        except fl.ForkError:
+            pass
+        log = fl.git(
+            ["log", f"-{depth}", "--format=%H", "--", rel], repo, check=False
+        ).stdout.split()
+        before_last: Optional[bytes] = None
+        for sha in log:
+            shown = subprocess.run(
+                ["git", "show", f"{sha}:{rel}"], cwd=repo, capture_output=True
+            )
+            if shown.returncode != 0:
+                continue
+            try:
+                undo(shown.stdout)
+            except fl.ForkError:
+                continue
+            before_last = undo(shown.stdout, diffs[-1:])
+            break
+        if before_last is None:
+            raise fl.ForkError(
+                f"{rel}: no version in the last {depth} commits that touched it "
+                f"fits the overlay diffs; rebuild them with stack-tree and "
+                f"refresh-stack"
+            )
+        rewritten.setdefault(ks[-1], {})[rel] = _file_diff(rel, before_last, final)
+    written: List[Path] = []
+    for k, new_sections in sorted(rewritten.items()):
+        entry = stack[k]
+        sections = _sections(entry.overlay_diff)
+        sections.update(new_sections)
+        text = "".join(sections[rel] for rel in sorted(sections) if sections[rel])
+        path = fl.overlay_diff_path(repo, entry.name)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
 # --------------------------------------------------------------------------- export
 
 
