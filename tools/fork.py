@@ -2,8 +2,8 @@
 
 Run ``python tools/fork.py --help`` (or ``python -m tools.fork --help``) from the
 repository root. Subcommands: ``materialize``, ``develop``, ``refresh``, ``new``,
-``check``, ``export``, ``stack``, ``stack-tree`` and ``bisect-check``; each has
-its own ``--help``. See CONTRIBUTING.md.
+``check``, ``export``, ``stack``, ``stack-tree``, ``refresh-stack``, ``absorb``
+and ``bisect-check``; each has its own ``--help``. See CONTRIBUTING.md.
 """
 
 from __future__ import annotations
