@@ -1,10 +1,16 @@
-"""The exported series: git am on pristine upstream reproduces the fork."""
+"""The exported stack: ``git am`` on upstream's git tree at the base's tag
+reproduces the fork, and every commit is a reviewable change."""
 
+import re
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Iterator, List, Set, Tuple
 
+import pytest
 from conftest import REPO
-from tools import fork, forklib
+from tools import fork, forklib, stack
+
+#: Pre-image id git writes for a file a patch creates.
+NO_BLOB = "0" * 40
 
 
 def snapshot(tree: Path) -> Dict[str, bytes]:
@@ -15,36 +21,187 @@ def snapshot(tree: Path) -> Dict[str, bytes]:
     }
 
 
-def test_export_applies_with_git_am_and_reproduces_the_tree(tmp_path: Path) -> None:
-    out = tmp_path / "export"
-    files = fork.export_series(REPO, out)
-    names = forklib.read_series(REPO)
-    has_overlay = bool(forklib.overlay_files(REPO))
-    assert len(files) == len(names) + int(has_overlay)
-    assert [f.name[:5] for f in files] == [
-        f"{i:04d}-" for i in range(1, len(files) + 1)
+def upstream_layout(dest: Path) -> Set[str]:
+    """
+    A git repository with the layout of upstream's git tree at the base's tag:
+    the base wheel's files plus an empty placeholder for every file of
+    upstream's tree (tools/upstream-v*-tree.txt) the wheel lacks. Returns the
+    placeholders.
+    """
+    upstream = forklib.load_upstream_tree(REPO)
+    forklib.extract_upstream(forklib.fetch_base_wheel(REPO), dest)
+    placeholders: Set[str] = set()
+    for rel in upstream.blobs:
+        path = dest / rel
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(b"")
+            placeholders.add(rel)
+    forklib.git(["init", "-q"], dest)
+    forklib.commit_all(dest, f"upstream {upstream.tag} layout (wheel + placeholders)")
+    forklib.git(["tag", forklib.UPSTREAM_TAG], dest)
+    return placeholders
+
+
+def mail_message(path: Path) -> Tuple[str, str]:
+    """Subject (without its ``[PATCH n/m]`` prefix) and body of an exported patch."""
+    text = path.read_text()
+    header, _, rest = text.partition("\n\n")
+    match = re.search(r"^Subject: (.*(?:\n .*)*)", header, flags=re.MULTILINE)
+    assert match is not None, f"{path.name}: no Subject header"
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", " ".join(match.group(1).split()))
+    body = rest.split("\n---\n", 1)[0].strip()
+    return subject, body
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.Export]:
+    """The stack exported once for the module's tests."""
+    yield stack.export_stack(REPO, tmp_path_factory.mktemp("export"))
+
+
+def test_export_writes_a_cover_letter_and_one_patch_per_entry(
+    exported: stack.Export,
+) -> None:
+    entries = forklib.load_stack(REPO)
+    assert exported.cover_letter is not None
+    assert exported.cover_letter.name == "0000-cover-letter.patch"
+    assert len(exported.patches) == len(entries) == len(exported.commits)
+    assert [f.name[:5] for f in exported.patches] == [
+        f"{i:04d}-" for i in range(1, len(entries) + 1)
     ]
+    for path, entry in zip(exported.patches, entries):
+        assert mail_message(path) == (entry.patch.subject, entry.patch.body)
+
+
+def test_export_preimages_are_upstreams_blobs(exported: stack.Export) -> None:
+    """Every file the export modifies has upstream's blob as pre-image (and so
+    do the wheel's copies the build patches); every file it creates is new to
+    upstream's tree. Checked through the full blob ids of the index lines."""
+    upstream = forklib.load_upstream_tree(REPO)
+    wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
+    current = dict(upstream.blobs)
+    created: List[str] = []
+    for path in exported.patches:
+        for change in forklib.diff_changes(path.read_text()):
+            where = f"{path.name}: {change.path}"
+            assert change.old_blob and change.new_blob, f"{where}: no full index"
+            if change.old_path is None:
+                assert change.path not in current, f"{where}: exists upstream"
+                assert change.old_blob == NO_BLOB, where
+                created.append(change.path)
+            else:
+                assert change.old_path in current, f"{where}: not in upstream's tree"
+                assert change.old_blob == current[change.old_path], where
+                if change.old_path not in created:
+                    assert change.old_path in wheel, where
+                    assert forklib.git_blob_id(wheel[change.old_path]) == (
+                        upstream.blobs[change.old_path]
+                    ), f"{where}: the wheel's copy is not upstream's"
+            if change.new_path is None:
+                del current[change.old_path or ""]
+            else:
+                current[change.new_path] = change.new_blob
+    assert created, "the export creates no file"
+    # Files upstream already has are never created, even when the build needs
+    # them from the overlay (the wheel lacks them).
+    for rel in (r.as_posix() for r in forklib.overlay_files(REPO)):
+        if rel in upstream.blobs:
+            assert rel not in created, rel
+
+
+def test_export_applies_with_git_am_and_reproduces_the_fork(
+    exported: stack.Export, tmp_path: Path
+) -> None:
     upstream = tmp_path / "upstream"
-    forklib.init_upstream_repo(upstream, REPO)
-    proc = forklib.git(["am", "-q", *map(str, files)], upstream, check=False)
-    assert proc.returncode == 0, proc.stderr
+    placeholders = upstream_layout(upstream)
+    proc = forklib.git(
+        ["am", "--empty=drop", "-q", *map(str, exported.files)], upstream, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     log = forklib.git(
         ["log", "--reverse", "--format=%B%x00", f"{forklib.UPSTREAM_TAG}..HEAD"],
         upstream,
     )
     messages = [m.strip() for m in log.stdout.split("\0") if m.strip()]
-    expected = [forklib.OVERLAY_COMMIT_SUBJECT] if has_overlay else []
-    expected += [
-        forklib.parse_patch(REPO / "patches" / name).message.strip() for name in names
-    ]
-    assert [m.splitlines()[0] for m in messages[: int(has_overlay)]] == expected[
-        : int(has_overlay)
-    ]
-    assert messages[int(has_overlay) :] == expected[int(has_overlay) :]
+    assert messages == [e.patch.message.strip() for e in forklib.load_stack(REPO)]
 
     materialized = tmp_path / "tree"
     fork.materialize_tree(materialized, REPO)
-    assert snapshot(upstream) == snapshot(materialized)
+    applied = snapshot(upstream)
+    fork_files = snapshot(materialized)
+    only_placeholders = {
+        rel for rel in applied if rel in placeholders and rel not in fork_files
+    }
+    assert {k: v for k, v in applied.items() if k not in only_placeholders} == (
+        fork_files
+    )
+    for rel in only_placeholders:
+        assert applied[rel] == b"", f"{rel}: a placeholder the export changed"
+
+
+def test_no_exported_commit_is_over_the_limit(exported: stack.Export) -> None:
+    sizes = []
+    for path, commit in zip(exported.patches, exported.commits):
+        changes = forklib.diff_changes(path.read_text())
+        lines = sum(c.added + c.removed for c in changes)
+        assert lines == commit.changed_lines, path.name
+        sizes.append(lines)
+    too_big = stack.oversized(exported.commits)
+    assert not too_big, (
+        f"commits over {stack.MAX_CHANGED_LINES} changed lines (split the files "
+        f"named, or stage one with a later entry's overlay diff; see "
+        f"CONTRIBUTING.md):\n" + "\n".join(too_big)
+    )
+    assert all(0 < n <= stack.MAX_CHANGED_LINES for n in sizes)
+
+
+def test_every_exported_commit_says_what_and_why(exported: stack.Export) -> None:
+    for path in exported.patches:
+        subject, body = mail_message(path)
+        assert subject, f"{path.name}: no subject"
+        assert len(subject) <= 100, f"{path.name}: subject longer than 100 chars"
+        assert len(body.split()) >= 20, f"{path.name}: the body says too little"
+
+
+def test_cover_letter_summarises_the_stack(exported: stack.Export) -> None:
+    assert exported.cover_letter is not None
+    text = exported.cover_letter.read_text()
+    assert "*** SUBJECT HERE ***" not in text and "*** BLURB HERE ***" not in text
+    subject, blurb = mail_message(exported.cover_letter)
+    assert subject and len(blurb.split()) > 100
+    upstream = forklib.load_upstream_tree(REPO)
+    assert f"base-commit: {upstream.commit}" in text
+    assert "git am --empty=drop" in text
+    for name in ("plan", "exchange", "install"):
+        assert f"- {name} (" in blurb, name
+    for entry in forklib.load_stack(REPO):
+        assert entry.patch.subject in blurb, entry.name
+    # the benchmark table, extracted from the results the repo keeps
+    table = stack.benchmark_summary(REPO).splitlines()
+    assert any("a2a_fresh" in line for line in table), table
+    for line in table:
+        assert line.rstrip() in text, line
+    for test in {
+        c.path for p in exported.patches for c in forklib.diff_changes(p.read_text())
+    }:
+        if forklib.is_test_file(test):
+            assert test in blurb, test
+
+
+def test_export_refuses_an_overlay_file_that_differs_from_upstreams(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    """An overlay file at a path upstream's tree has must be upstream's file."""
+    upstream = forklib.load_upstream_tree(repo_copy)
+    rel = "torchrec/distributed/test_utils/__init__.py"
+    assert rel in upstream.blobs and not (repo_copy / rel).exists()
+    (repo_copy / rel).write_text("# not upstream's\n")
+    series = repo_copy / "patches" / "series"
+    first = forklib.read_series(repo_copy)[0]
+    series.write_text(series.read_text().replace(first, f"{first}\n#+ {rel}", 1))
+    with pytest.raises(stack.StackError, match=re.escape(rel)):
+        stack.export_stack(repo_copy, tmp_path / "out")
 
 
 def test_materialized_tree_history(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 Run ``python tools/fork.py --help`` (or ``python -m tools.fork --help``) from the
 repository root. Subcommands: ``materialize``, ``develop``, ``refresh``, ``new``,
-``check`` and ``export``; each has its own ``--help``. See CONTRIBUTING.md.
+``check``, ``export``, ``stack``, ``stack-tree``, ``refresh-stack``, ``absorb``
+and ``bisect-check``; each has its own ``--help``. See CONTRIBUTING.md.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import List, Optional, Sequence
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tools import forklib as fl  # noqa: E402
+from tools import forklib as fl, stack as st  # noqa: E402
 
 DEFAULT_TREE: Path = fl.REPO_ROOT / ".fork" / "tree"
 DEFAULT_EXPORT: Path = fl.REPO_ROOT / ".fork" / "export"
@@ -61,7 +62,7 @@ def materialize_tree(
     commits: List[str] = []
     for patch in fl.load_series(repo):
         fl.apply_patch(tree, patch)
-        commits.append(fl.commit_all(tree, patch.message))
+        commits.append(fl.commit_all(tree, patch.message, allow_empty=True))
     if not symlink_overlay:
         fl.copy_overlay(repo, tree)
     return commits
@@ -203,7 +204,10 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 def check_repo(repo: Path) -> List[str]:
     """Apply the series to pristine upstream in a temporary tree and verify that
-    refresh would change nothing. Raises :class:`fl.PatchError` otherwise."""
+    refresh would change nothing, that the stack mapping is sound (every
+    overlay file in exactly one entry, overlay diffs apply) and, when the list
+    of upstream's git tree is there, that the stack applies to it. Raises
+    :class:`fl.PatchError` or :class:`st.StackError` otherwise."""
     fl.fork_version(repo)
     patches = fl.load_series(repo)
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-check-") as tmp:
@@ -214,57 +218,128 @@ def check_repo(repo: Path) -> List[str]:
                 raise fl.PatchError(
                     patch.name, "applies but is not in refreshed form; run refresh"
                 )
+    stack = fl.load_stack(repo)
+    problems = fl.stack_problems(repo, stack)
+    if fl.upstream_tree_file(repo).is_file():
+        wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
+        problems += fl.upstream_problems(
+            repo, stack, fl.load_upstream_tree(repo), wheel
+        )
+    if problems:
+        raise st.StackError(problems)
     return [patch.name for patch in patches]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Verify the series."""
+    """Verify the series and the stack mapping."""
     names = check_repo(args.repo)
-    print(f"OK: {len(names)} patch(es) apply cleanly and are refreshed")
+    entries = len(fl.parse_series(args.repo))
+    print(
+        f"OK: {len(names)} patch(es) apply cleanly and are refreshed; the stack's "
+        f"{entries} entries cover every overlay file"
+    )
     return 0
 
 
 def export_series(repo: Path, out: Path) -> List[Path]:
-    """Write the fork as a numbered ``git format-patch`` series into ``out``:
-    first the overlay files, then each patch of the series."""
-    out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("*.patch"):
-        old.unlink()
-    with tempfile.TemporaryDirectory(prefix="torchrec-fork-export-") as tmp:
-        tree = Path(tmp) / "tree"
-        fl.init_upstream_repo(tree, repo)
-        placed = fl.copy_overlay(repo, tree)
-        if placed:
-            listing = "\n".join(f"- {rel.as_posix()}" for rel in placed)
-            fl.commit_all(
-                tree,
-                f"{fl.OVERLAY_COMMIT_SUBJECT}\n\nNew files of the fork, at their "
-                f"upstream paths:\n\n{listing}\n",
-            )
-        for patch in fl.load_series(repo):
-            fl.apply_patch(tree, patch)
-            fl.commit_all(tree, patch.message)
-        fl.git(
-            [
-                "format-patch",
-                "-q",
-                "--zero-commit",
-                "--no-signature",
-                "-o",
-                str(out),
-                f"{fl.UPSTREAM_TAG}..HEAD",
-            ],
-            tree,
-        )
-    return sorted(out.glob("*.patch"))
+    """Write the stack as a numbered ``git format-patch`` series into ``out``
+    (cover letter first); see :func:`tools.stack.export_stack`."""
+    return st.export_stack(repo, out).files
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Export the fork as an upstream-ready series."""
-    files = export_series(args.repo, args.dir.resolve())
-    for path in files:
+    """Export the stack as an upstream-ready series."""
+    identity = st.export_identity(args.repo)
+    if args.author:
+        identity.update(st.parse_author(args.author))
+    export = st.export_stack(
+        args.repo,
+        args.dir.resolve(),
+        cover_letter=not args.no_cover_letter,
+        identity=identity,
+    )
+    for path in export.files:
         print(path)
+    print(st.stack_table(export.commits), file=sys.stderr)
+    for message in st.oversized(export.commits):
+        print(f"warning: {message}", file=sys.stderr)
     return 0
+
+
+def cmd_stack(args: argparse.Namespace) -> int:
+    """Show the stack with the size of every commit."""
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-stack-") as tmp:
+        commits = st.build_stack_repo(Path(tmp) / "tree", args.repo)
+    print(st.stack_table(commits))
+    too_big = st.oversized(commits)
+    for message in too_big:
+        print(f"error: {message}", file=sys.stderr)
+    if too_big:
+        print(
+            f"split the files named above into modules that belong to different "
+            f"entries, or introduce a smaller version of one early and complete "
+            f"it in a later entry's patches/NAME{fl.OVERLAY_DIFF_SUFFIX} "
+            f"(see CONTRIBUTING.md)",
+            file=sys.stderr,
+        )
+    return 1 if too_big else 0
+
+
+def cmd_stack_tree(args: argparse.Namespace) -> int:
+    """Build the stack as a git repository."""
+    tree: Path = args.dir.resolve()
+    if tree.exists():
+        if not args.force:
+            raise fl.ForkError(f"{tree} exists; pass --force to rebuild it")
+        shutil.rmtree(tree)
+    commits = st.build_stack_repo(tree, args.repo)
+    print(f"built {tree}: upstream + {len(commits)} stack commit(s)")
+    return 0
+
+
+def cmd_refresh_stack(args: argparse.Namespace) -> int:
+    """Rewrite the overlay diffs from an edited stack repository."""
+    written = st.refresh_overlay_diffs(args.dir.resolve(), args.repo)
+    for path in written:
+        print(f"{'wrote' if path.exists() else 'removed'} {path}")
+    problems = fl.stack_problems(args.repo)
+    if problems:
+        raise st.StackError(problems)
+    if not written:
+        print("overlay diffs already up to date")
+    return 0
+
+
+def cmd_absorb(args: argparse.Namespace) -> int:
+    """Fold changes of overlay files into the overlay diffs that no longer apply."""
+    for path in st.absorb_overlay_changes(args.repo):
+        print(f"rewrote {path}")
+    problems = fl.stack_problems(args.repo)
+    if problems:
+        raise st.StackError(problems)
+    print("every overlay diff applies")
+    return 0
+
+
+def cmd_bisect_check(args: argparse.Namespace) -> int:
+    """Check every commit of the stack on its own."""
+    results = st.bisect_check(
+        args.repo,
+        only=args.entry or None,
+        pytest_args=args.pytest_args,
+        stop_first=args.exitfirst,
+        keep=args.keep,
+        log=lambda line: print(line, flush=True),
+    )
+    failed = [r for r in results if not r.ok]
+    for result in failed:
+        print(f"\n==== {result.name}: {result.reason}\n{result.output[-6000:]}")
+    total = sum(r.seconds for r in results)
+    print(
+        f"{len(results) - len(failed)} of {len(results)} commit(s) pass their own "
+        f"tests ({total:.0f} s)"
+    )
+    return 1 if failed else 0
 
 
 # --------------------------------------------------------------------------- main
@@ -358,22 +433,110 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "check",
-        help="verify the series applies to pristine upstream and is refreshed",
+        help="verify the series applies, is refreshed, and the stack mapping is sound",
         description="Apply every patch to a pristine upstream tree in a temporary "
         "directory; fail (exit 1, naming the patch) if one does not apply or if "
-        "refresh would change it.",
+        "refresh would change it. Then check the stack mapping of patches/series "
+        "(every overlay file introduced by exactly one entry, plain entries with "
+        "a diff and '#=' entries without, overlay diffs that apply) and that the "
+        "stack applies to upstream's git tree (tools/upstream-v*-tree.txt): every "
+        "patched file has upstream's blob as pre-image, no created file exists.",
     )
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(
         "export",
-        help="write the fork as a numbered git format-patch series",
-        description="Write DIR/0001-*.patch ...: first a commit adding the overlay "
-        "files, then one commit per patch of the series. 'git am DIR/*.patch' on "
-        "a git repo of pristine upstream reproduces the materialised tree.",
+        help="write the stack as a numbered git format-patch series",
+        description="Write DIR/0000-cover-letter.patch, DIR/0001-*.patch ...: one "
+        "commit per entry of patches/series (its upstream diff, the overlay files "
+        "it introduces, its overlay diff), message = the patch's header. 'git am "
+        "--empty=drop DIR/*.patch' applies it to upstream's git tree at the base's "
+        "tag (the cover letter has no diff: --empty=drop skips it).",
     )
     tree_arg(p, DEFAULT_EXPORT)
+    p.add_argument(
+        "--no-cover-letter", action="store_true", help="write no 0000 cover letter"
+    )
+    p.add_argument(
+        "--author",
+        metavar="'NAME <EMAIL>'",
+        help="author of the commits (default: this repo's git user, else the tools')",
+    )
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
+        "stack",
+        help="list the stack's commits with their sizes; fail on an oversized one",
+        description="Build the stack in a temporary repository and print every "
+        f"commit with its changed lines. Exit 1 when one changes more than "
+        f"{st.MAX_CHANGED_LINES} lines, naming its biggest files.",
+    )
+    p.set_defaults(func=cmd_stack)
+
+    p = sub.add_parser(
+        "stack-tree",
+        help="build the stack as a git repository (one commit per entry)",
+        description="Create DIR as a git repo: upstream (the wheel plus the "
+        "files of upstream's git tree the overlay restores, tag 'upstream'), then "
+        "one commit per entry of patches/series, as 'export' writes them. Use it "
+        "to review the stack, or to run git bisect by hand.",
+    )
+    tree_arg(p, fl.REPO_ROOT / ".fork" / "stack")
+    p.add_argument("--force", action="store_true", help="replace an existing DIR")
+    p.set_defaults(func=cmd_stack_tree)
+
+    p = sub.add_parser(
+        "refresh-stack",
+        help="rewrite the entries' overlay diffs from an edited stack-tree",
+        description="Read DIR (made by 'stack-tree', its history edited with git, "
+        "e.g. an early commit introducing a smaller version of a file that a "
+        f"later commit completes) and rewrite each patches/NAME{fl.OVERLAY_DIFF_SUFFIX} "
+        "from the commit's changes to overlay files introduced by earlier "
+        "entries. The commits must match the entries one to one, change upstream "
+        "files as the patch files do and end with the repository's overlay files.",
+    )
+    tree_arg(p, fl.REPO_ROOT / ".fork" / "stack")
+    p.set_defaults(func=cmd_refresh_stack)
+
+    p = sub.add_parser(
+        "absorb",
+        help="fold edits of overlay files into the overlay diffs they broke",
+        description="When an edit of an overlay file makes an overlay diff "
+        f"(patches/NAME{fl.OVERLAY_DIFF_SUFFIX}) stop applying, rewrite the diff "
+        "of the last entry that changes the file so that it ends with the edited "
+        "file: the edit goes into that entry, earlier versions stay as they were. "
+        "The file's previous version comes from this checkout's git history.",
+    )
+    p.set_defaults(func=cmd_absorb)
+
+    p = sub.add_parser(
+        "bisect-check",
+        help="prove every commit of the stack imports and passes its own tests",
+        description="Advance one tree from the wheel commit by commit; at every "
+        "entry of patches/series, with the tree first on sys.path, import every "
+        "module of the fork present so far and run the entry's own tests (the "
+        "test modules it introduces or changes) with pytest. Fails for an entry "
+        "without tests. Uses the current environment (no install).",
+    )
+    p.add_argument(
+        "--entry",
+        action="append",
+        metavar="NAME.patch",
+        help="check only this entry (repeatable); the others are still applied",
+    )
+    p.add_argument(
+        "-x", "--exitfirst", action="store_true", help="stop at the first failure"
+    )
+    p.add_argument(
+        "--keep", type=Path, metavar="DIR", help="build the tree in DIR and keep it"
+    )
+    p.add_argument(
+        "pytest_args",
+        nargs="*",
+        metavar="PYTEST_ARG",
+        help="extra pytest arguments (after --)",
+    )
+    p.set_defaults(func=cmd_bisect_check)
     return parser
 
 

@@ -6,6 +6,13 @@ The fork is three things on top of a pinned upstream release wheel:
 * ``torchrec/``: files the fork adds, at their upstream paths (the *overlay*);
 * ``patches/series`` + ``patches/*.patch``: changes to existing upstream files.
 
+``patches/series`` is also the *stack*: the ordered list of commits the fork is
+exported as (``tools/fork.py export``). Each entry is one patch file (a header
+and a diff to upstream files, or a header only) plus the overlay files it
+introduces (``#+ PATH`` lines below it) and, optionally, a diff to overlay
+files introduced by earlier entries (``patches/NAME.overlay.diff``). See
+:func:`parse_series`.
+
 This module only uses the standard library and the ``git`` executable, so that
 ``setup.py`` can import it without any extra build requirement.
 """
@@ -23,13 +30,12 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PACKAGE: str = "torchrec"
 WHEEL_ENV: str = "TORCHREC_FORK_BASE_WHEEL"
 CACHE_ENV: str = "TORCHREC_FORK_CACHE_DIR"
-OVERLAY_COMMIT_SUBJECT: str = "Add the modules the fork adds to TorchRec"
 IGNORED_PARTS: frozenset = frozenset({"__pycache__", ".pytest_cache", ".hypothesis"})
 IGNORED_SUFFIXES: tuple = (".pyc", ".pyo")
 # Identity used for the throw-away commits the tools make in working trees.
@@ -132,26 +138,115 @@ def fork_version(repo: Path = REPO_ROOT) -> str:
     return version
 
 
-def read_series(repo: Path = REPO_ROOT) -> List[str]:
-    """Patch file names from ``patches/series``, in order of application."""
+@dataclasses.dataclass(frozen=True)
+class SeriesEntry:
+    """One entry of ``patches/series``: a patch file and the overlay files it
+    introduces.
+
+    Args:
+        name (str): the patch file's name in ``patches/``.
+        header_only (bool): listed as ``#= NAME`` (its file has a header and no
+            diff; quilt skips it) instead of a plain ``NAME`` line.
+        files (Tuple[str, ...]): overlay files (``torchrec/...``, as the ``#+``
+            lines below the entry name them) the entry introduces.
+        line (int): line number of the entry in ``patches/series``.
+    """
+
+    name: str
+    header_only: bool
+    files: Tuple[str, ...]
+    line: int
+
+
+SERIES_HEADER_ONLY: str = "#="
+SERIES_FILE: str = "#+"
+OVERLAY_DIFF_SUFFIX: str = ".overlay.diff"
+
+
+def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesEntry]:
+    """
+    Parse the text of ``patches/series``. The file stays a valid quilt series
+    (quilt ignores every line that starts with ``#``):
+
+    * ``NAME.patch`` — a patch with a diff to upstream files;
+    * ``#= NAME.patch`` — an entry whose patch file is a header only (a commit
+      that only adds or changes overlay files; quilt cannot apply a patch
+      without a diff, so it must not see it);
+    * ``#+ PATH`` — an overlay file the entry above introduces;
+    * any other ``#`` line, and blank lines, are comments.
+
+    Args:
+        text (str): the series file's text.
+        origin (str): name used in error messages.
+
+    Returns:
+        List[SeriesEntry]: the entries, in order.
+
+    Raises:
+        ForkError: on a ``#+`` line before any entry or a repeated entry name.
+    """
+    entries: List[SeriesEntry] = []
+    names: Set[str] = set()
+    files: List[str] = []
+
+    def close() -> None:
+        if entries:
+            last = entries[-1]
+            entries[-1] = dataclasses.replace(last, files=tuple(files))
+        files.clear()
+
+    for number, raw in enumerate(text.splitlines(), start=1):
+        stripped = raw.strip()
+        if stripped.startswith(SERIES_FILE):
+            path = stripped[len(SERIES_FILE) :].strip()
+            if not entries:
+                raise ForkError(f"{origin}:{number}: '{stripped}' before any patch")
+            if path:
+                files.append(path)
+            continue
+        header_only = stripped.startswith(SERIES_HEADER_ONLY)
+        if header_only:
+            name = stripped[len(SERIES_HEADER_ONLY) :].strip().split("#", 1)[0]
+        elif stripped.startswith("#"):
+            continue
+        else:
+            name = stripped.split("#", 1)[0]
+        name = name.strip()
+        if not name:
+            continue
+        name = name.split()[0]  # quilt: patch options may follow the name
+        if name in names:
+            raise ForkError(f"{origin}:{number}: {name} is listed twice")
+        names.add(name)
+        close()
+        entries.append(SeriesEntry(name, header_only, (), number))
+    close()
+    return entries
+
+
+def parse_series(repo: Path = REPO_ROOT) -> List[SeriesEntry]:
+    """Every entry of ``patches/series`` (see :func:`parse_series_text`)."""
     series = repo / "patches" / "series"
     if not series.exists():
         return []
-    names: List[str] = []
-    for raw in series.read_text().splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if line:
-            names.append(line)
-    return names
+    return parse_series_text(series.read_text())
+
+
+def read_series(repo: Path = REPO_ROOT) -> List[str]:
+    """Names of the patches quilt applies (the plain lines of
+    ``patches/series``), in order of application."""
+    return [e.name for e in parse_series(repo) if not e.header_only]
 
 
 def parse_patch(path: Path) -> Patch:
-    """Split a patch file into its ``Subject:`` header, body and diff."""
+    """Split a patch file into its ``Subject:`` header, body and diff (empty
+    for a header-only patch)."""
     text = path.read_text()
     match = re.search(r"^diff --git ", text, flags=re.MULTILINE)
     if match is None:
-        raise PatchError(path.name, "no 'diff --git' section found")
-    header, diff = text[: match.start()], text[match.start() :]
+        header, diff = text, ""
+    else:
+        header, diff = text[: match.start()], text[match.start() :]
     lines = header.splitlines()
     if not lines or not lines[0].startswith("Subject:"):
         raise PatchError(path.name, "the first line must be 'Subject: ...'")
@@ -161,7 +256,7 @@ def parse_patch(path: Path) -> Patch:
 
 
 def load_series(repo: Path = REPO_ROOT) -> List[Patch]:
-    """Parse every patch named in the series."""
+    """Parse every patch quilt applies (see :func:`read_series`)."""
     patches: List[Patch] = []
     for name in read_series(repo):
         path = repo / "patches" / name
@@ -201,6 +296,446 @@ def overlay_modules(repo: Path = REPO_ROOT) -> List[str]:
             parts = parts[:-1]
         modules.append(".".join(parts))
     return modules
+
+
+# --------------------------------------------------------------------------- stack
+
+
+@dataclasses.dataclass(frozen=True)
+class StackEntry:
+    """
+    One commit of the exported stack: an entry of ``patches/series`` with its
+    contents.
+
+    Args:
+        patch (Patch): the patch file: commit message and diff to upstream files.
+        header_only (bool): listed as ``#= NAME`` (no diff; quilt skips it).
+        files (Tuple[str, ...]): overlay files the commit introduces.
+        overlay_diff (str): the commit's changes to overlay files introduced by
+            earlier entries (``patches/NAME.overlay.diff``; empty if none).
+    """
+
+    patch: Patch
+    header_only: bool
+    files: Tuple[str, ...]
+    overlay_diff: str
+
+    @property
+    def name(self) -> str:
+        """The patch file's name."""
+        return self.patch.name
+
+
+@dataclasses.dataclass(frozen=True)
+class FileChange:
+    """
+    What a diff does to one file.
+
+    Args:
+        old_path (Optional[str]): the file before (None: the diff creates it).
+        new_path (Optional[str]): the file after (None: the diff deletes it).
+        old_blob (Optional[str]): the pre-image blob id of the ``index`` line.
+        new_blob (Optional[str]): the post-image blob id of the ``index`` line.
+        added (int): lines added.
+        removed (int): lines removed.
+    """
+
+    old_path: Optional[str]
+    new_path: Optional[str]
+    old_blob: Optional[str]
+    new_blob: Optional[str]
+    added: int
+    removed: int
+
+    @property
+    def path(self) -> str:
+        """The file's path (the old one for a deletion)."""
+        return self.new_path or self.old_path or ""
+
+
+_DIFF_GIT_RE = re.compile(r"^diff --git a/(.+?) b/(.+)$")
+_HUNK_RE = re.compile(r"^@@ -\d+(?:,(\d+))? \+\d+(?:,(\d+))? @@")
+_INDEX_RE = re.compile(r"^index ([0-9a-f]+)\.\.([0-9a-f]+)")
+
+
+def diff_changes(diff: str) -> List[FileChange]:
+    """
+    Args:
+        diff (str): a ``git diff``-style diff (``diff --git`` sections); text
+            before the first section (an e-mail header) is skipped.
+
+    Returns:
+        List[FileChange]: one per file, in order.
+    """
+    changes: List[FileChange] = []
+    for section in re.split(r"^(?=diff --git )", diff, flags=re.MULTILINE):
+        lines = section.splitlines()
+        match = _DIFF_GIT_RE.match(lines[0]) if lines else None
+        if match is None:
+            continue
+        old: Optional[str] = match.group(1)
+        new: Optional[str] = match.group(2)
+        old_blob: Optional[str] = None
+        new_blob: Optional[str] = None
+        added = removed = old_left = new_left = 0
+        for line in lines[1:]:
+            if old_left > 0 or new_left > 0:
+                if line.startswith("+"):
+                    added, new_left = added + 1, new_left - 1
+                elif line.startswith("-"):
+                    removed, old_left = removed + 1, old_left - 1
+                elif not line.startswith("\\"):
+                    old_left, new_left = old_left - 1, new_left - 1
+                continue
+            hunk = _HUNK_RE.match(line)
+            index = _INDEX_RE.match(line)
+            if hunk:
+                old_left = int(hunk.group(1) if hunk.group(1) is not None else 1)
+                new_left = int(hunk.group(2) if hunk.group(2) is not None else 1)
+            elif index:
+                old_blob, new_blob = index.group(1), index.group(2)
+            elif line.startswith("new file mode"):
+                old = None
+            elif line.startswith("deleted file mode"):
+                new = None
+            elif line.startswith("-- "):
+                break  # the e-mail signature after the last file
+        changes.append(FileChange(old, new, old_blob, new_blob, added, removed))
+    return changes
+
+
+def overlay_diff_path(repo: Path, name: str) -> Path:
+    """Where the entry ``name`` keeps its diff to overlay files introduced by
+    earlier entries: ``patches/STEM.overlay.diff``."""
+    stem = name[: -len(".patch")] if name.endswith(".patch") else name
+    return repo / "patches" / (stem + OVERLAY_DIFF_SUFFIX)
+
+
+def load_stack(repo: Path = REPO_ROOT) -> List[StackEntry]:
+    """Every entry of ``patches/series`` with its patch and overlay diff."""
+    stack: List[StackEntry] = []
+    for entry in parse_series(repo):
+        path = repo / "patches" / entry.name
+        if not path.exists():
+            raise PatchError(
+                entry.name, "listed in patches/series but the file is missing"
+            )
+        extra = overlay_diff_path(repo, entry.name)
+        stack.append(
+            StackEntry(
+                patch=parse_patch(path),
+                header_only=entry.header_only,
+                files=entry.files,
+                overlay_diff=extra.read_text() if extra.exists() else "",
+            )
+        )
+    return stack
+
+
+def _apply_to_files(
+    files: Mapping[str, bytes], diff: str, *, reverse: bool, what: str
+) -> Dict[str, bytes]:
+    """Apply ``diff`` (or its reverse) to ``files`` (path -> content) in a
+    scratch directory; returns the new contents of the same paths."""
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-apply-") as tmp:
+        root = Path(tmp)
+        for rel, data in files.items():
+            target = root / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        args = ["apply", "--whitespace=nowarn", "-p1"] + (["-R"] if reverse else [])
+        proc = git(args + ["-"], root, check=False, input=diff, isolate=True)
+        if proc.returncode != 0:
+            how = "in reverse to the overlay's files" if reverse else "forwards"
+            raise ForkError(f"{what} does not apply {how}: {proc.stderr.strip()}")
+        return {rel: (root / rel).read_bytes() for rel in files}
+
+
+def stack_file_versions(
+    repo: Path = REPO_ROOT, stack: Optional[Sequence[StackEntry]] = None
+) -> List[Dict[str, bytes]]:
+    """
+    The overlay files each entry writes, with their content right after that
+    entry: the files it introduces and those its overlay diff changes. The
+    repository's ``torchrec/`` files are the state after the last entry; an
+    earlier state is the later one with the later overlay diffs undone.
+
+    Args:
+        repo (Path): the fork repository.
+        stack (Optional[Sequence[StackEntry]]): its stack (default: loaded).
+
+    Returns:
+        List[Dict[str, bytes]]: per entry, path -> content.
+
+    Raises:
+        ForkError: when an overlay diff touches a file no earlier entry
+            introduces, creates or deletes a file, or does not apply.
+    """
+    stack = load_stack(repo) if stack is None else stack
+    current: Dict[str, bytes] = {}
+    for entry in stack:
+        for rel in entry.files:
+            if (repo / rel).is_file():
+                current[rel] = (repo / rel).read_bytes()
+    writes: List[Dict[str, bytes]] = [{} for _ in stack]
+    for k in reversed(range(len(stack))):
+        entry = stack[k]
+        what = f"patches/{overlay_diff_path(repo, entry.name).name}"
+        changes = diff_changes(entry.overlay_diff)
+        if entry.overlay_diff.strip() and not changes:
+            raise ForkError(f"{what}: no 'diff --git' section found")
+        touched: List[str] = []
+        for change in changes:
+            if change.old_path is None or change.new_path is None:
+                raise ForkError(
+                    f"{what}: creates or deletes {change.path}; an entry introduces "
+                    f"a file with a '#+ PATH' line in patches/series instead"
+                )
+            if change.path in entry.files or change.path not in current:
+                raise ForkError(
+                    f"{what}: changes {change.path}, which no earlier entry of "
+                    f"patches/series introduces"
+                )
+            touched.append(change.path)
+        writes[k] = {
+            rel: current[rel] for rel in (*entry.files, *touched) if rel in current
+        }
+        if touched:
+            after = {rel: current[rel] for rel in touched}
+            before = _apply_to_files(after, entry.overlay_diff, reverse=True, what=what)
+            again = _apply_to_files(
+                before, entry.overlay_diff, reverse=False, what=what
+            )
+            if again != after:
+                raise ForkError(
+                    f"{what}: applying it does not give the overlay's files"
+                )
+            current.update(before)
+        for rel in entry.files:
+            current.pop(rel, None)
+    return writes
+
+
+def stack_problems(
+    repo: Path = REPO_ROOT, stack: Optional[Sequence[StackEntry]] = None
+) -> List[str]:
+    """
+    Everything wrong with the stack mapping, one message each: every overlay
+    file must be introduced by exactly one entry, plain entries must have a
+    diff (quilt applies them) and ``#=`` entries none, every entry needs a
+    subject and a body and must change something, overlay diffs must apply.
+
+    Args:
+        repo (Path): the fork repository.
+        stack (Optional[Sequence[StackEntry]]): its stack (default: loaded).
+
+    Returns:
+        List[str]: the problems (empty when the stack is sound).
+    """
+    stack = load_stack(repo) if stack is None else stack
+    problems: List[str] = []
+    overlay = {rel.as_posix() for rel in overlay_files(repo)}
+    owner: Dict[str, str] = {}
+    for entry in stack:
+        name = entry.name
+        for rel in entry.files:
+            if rel in owner:
+                problems.append(
+                    f"{rel} is introduced twice: by {owner[rel]} and {name}"
+                )
+            owner.setdefault(rel, name)
+            if rel not in overlay:
+                problems.append(
+                    f"{name}: '{SERIES_FILE} {rel}' names no file of the overlay "
+                    f"(paths start with {PACKAGE}/)"
+                )
+        has_diff = bool(entry.patch.diff.strip())
+        if entry.header_only and has_diff:
+            problems.append(
+                f"{name}: has a diff to upstream files, so list it as a plain "
+                f"'{name}' line (quilt applies it), not '{SERIES_HEADER_ONLY} {name}'"
+            )
+        if not entry.header_only and not has_diff:
+            problems.append(
+                f"{name}: has no diff, so list it as '{SERIES_HEADER_ONLY} {name}' "
+                f"(quilt cannot apply a patch without a diff)"
+            )
+        if not entry.patch.subject or not entry.patch.body:
+            problems.append(f"{name}: needs a subject and a body (what and why)")
+        if not has_diff and not entry.files and not entry.overlay_diff.strip():
+            problems.append(f"{name}: changes nothing")
+    for rel in sorted(overlay - set(owner)):
+        problems.append(
+            f"{rel} is in no stack entry: add '{SERIES_FILE} {rel}' below the "
+            f"entry that introduces it in patches/series"
+        )
+    known = {overlay_diff_path(repo, entry.name).name for entry in stack}
+    for path in sorted((repo / "patches").glob("*" + OVERLAY_DIFF_SUFFIX)):
+        if path.name not in known:
+            problems.append(
+                f"patches/{path.name} belongs to no entry of patches/series"
+            )
+    try:
+        stack_file_versions(repo, stack)
+    except ForkError as exc:
+        problems.append(str(exc))
+    return problems
+
+
+def is_test_file(rel: str) -> bool:
+    """Whether an overlay file is a test module pytest collects (``test_*.py``
+    in a ``tests`` package)."""
+    parts = rel.split("/")
+    return (
+        len(parts) >= 2
+        and parts[-2] == "tests"
+        and parts[-1].startswith("test_")
+        and parts[-1].endswith(".py")
+    )
+
+
+def module_name(rel: str) -> Optional[str]:
+    """The dotted module name of a ``.py`` file (``a/b/__init__.py`` -> ``a.b``)."""
+    if not rel.endswith(".py"):
+        return None
+    parts = rel[: -len(".py")].split("/")
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+# --------------------------------------------------------------------------- upstream
+
+
+@dataclasses.dataclass(frozen=True)
+class UpstreamTree:
+    """
+    Upstream's git tree at the base's tag, as ``git ls-tree -r`` lists it.
+
+    Args:
+        tag (str): the tag (e.g. ``v1.1.0``).
+        commit (str): the tag's commit.
+        blobs (Dict[str, str]): path -> blob id of every file.
+    """
+
+    tag: str
+    commit: str
+    blobs: Dict[str, str]
+
+
+def upstream_tree_file(repo: Path = REPO_ROOT) -> Path:
+    """The list of upstream's git tree at the base's version:
+    ``tools/upstream-v<version>-tree.txt``."""
+    return repo / "tools" / f"upstream-v{load_base(repo).version}-tree.txt"
+
+
+def load_upstream_tree(repo: Path = REPO_ROOT) -> UpstreamTree:
+    """
+    Read :func:`upstream_tree_file`: a header comment naming the tag and its
+    commit, then ``mode type blob<TAB>path`` lines.
+
+    Raises:
+        ForkError: when the file is missing or malformed.
+    """
+    path = upstream_tree_file(repo)
+    if not path.is_file():
+        raise ForkError(
+            f"{path.relative_to(repo)} is missing: it lists upstream's git tree at "
+            f"the base's tag (git ls-tree -r TAG, with a '# ... tag TAG (commit "
+            f"SHA)' header)"
+        )
+    text = path.read_text()
+    tag = re.search(r"\btag (\S+)", text)
+    commit = re.search(r"\bcommit ([0-9a-f]{40})\b", text)
+    if tag is None or commit is None:
+        raise ForkError(f"{path.name}: the header must name 'tag TAG (commit SHA)'")
+    blobs: Dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        meta, _, rel = line.partition("\t")
+        fields = meta.split()
+        if len(fields) != 3 or not rel:
+            raise ForkError(f"{path.name}: malformed line {line!r}")
+        if fields[1] == "blob":
+            blobs[rel] = fields[2]
+    return UpstreamTree(tag=tag.group(1), commit=commit.group(1), blobs=blobs)
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a file with this content (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def upstream_problems(
+    repo: Path,
+    stack: Sequence[StackEntry],
+    upstream: UpstreamTree,
+    wheel_files: Mapping[str, bytes],
+) -> List[str]:
+    """
+    Whether the stack applies to upstream's git tree: every file a patch
+    changes must exist there with the wheel's content as its blob (the
+    pre-image the patches were made against), no patch may create a file
+    upstream has, and an overlay file upstream has must be identical to it
+    (the export then leaves it out; the build needs it because the wheel
+    lacks it).
+
+    Args:
+        repo (Path): the fork repository.
+        stack (Sequence[StackEntry]): its stack.
+        upstream (UpstreamTree): upstream's tree at the base's tag.
+        wheel_files (Mapping[str, bytes]): the base wheel's files.
+
+    Returns:
+        List[str]: the problems (empty when the stack applies upstream).
+    """
+    problems: List[str] = []
+    at = f"upstream's git tree at {upstream.tag}"
+    created: Set[str] = set()
+    for entry in stack:
+        for change in diff_changes(entry.patch.diff):
+            if change.old_path is None:
+                created.add(change.path)
+                if change.path in upstream.blobs:
+                    problems.append(
+                        f"{entry.name} creates {change.path}, which {at} already has"
+                    )
+                continue
+            rel = change.old_path
+            if rel in created:
+                continue
+            if rel not in upstream.blobs:
+                problems.append(f"{entry.name} changes {rel}, which {at} lacks")
+            elif rel in wheel_files:
+                blob = git_blob_id(wheel_files[rel])
+                if blob != upstream.blobs[rel]:
+                    problems.append(
+                        f"{entry.name} changes {rel}: the wheel's copy (blob {blob}) "
+                        f"is not the one in {at} (blob {upstream.blobs[rel]})"
+                    )
+    for entry in stack:
+        for rel in entry.files:
+            if rel in upstream.blobs and (repo / rel).is_file():
+                blob = git_blob_id((repo / rel).read_bytes())
+                if blob != upstream.blobs[rel]:
+                    problems.append(
+                        f"overlay file {rel} exists in {at} with other content "
+                        f"(blob {upstream.blobs[rel]}): change it with a patch"
+                    )
+    return problems
+
+
+def wheel_contents(wheel: Path) -> Dict[str, bytes]:
+    """The wheel's files (without its ``.dist-info``), path -> content."""
+    contents: Dict[str, bytes] = {}
+    with zipfile.ZipFile(wheel) as archive:
+        for info in archive.infolist():
+            top = info.filename.split("/", 1)[0]
+            if info.is_dir() or top.endswith(".dist-info"):
+                continue
+            contents[info.filename] = archive.read(info)
+    return contents
 
 
 # --------------------------------------------------------------------------- base

@@ -1,0 +1,789 @@
+"""The fork as a stack of upstream commits: build it, export it, bisect-check it.
+
+``patches/series`` is the one mapping (see :func:`tools.forklib.parse_series`):
+each entry is one commit made of its patch file (message and diff to upstream
+files), the overlay files it introduces and its changes to overlay files
+introduced earlier. From it this module
+
+* builds the stack as a git repository on top of upstream (:func:`build_stack_repo`);
+* exports it as a ``git format-patch`` series with a cover letter
+  (:func:`export_stack`) that applies with ``git am`` to upstream's git tree at
+  the base's tag;
+* checks that every commit of the stack works on its own: the fork at that
+  commit imports and the commit's own tests pass (:func:`bisect_check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import string
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tools import forklib as fl  # noqa: E402
+
+#: No commit of the exported stack may change more lines than this.
+MAX_CHANGED_LINES: int = 1200
+#: Template of the cover letter: first line the subject, then the blurb.
+COVER_LETTER_TEMPLATE: str = "patches/cover-letter.txt"
+#: Results of the repository's benchmark, quoted in the cover letter.
+BENCHMARK_RESULTS: str = "benchmarks/results/reshard_benchmark.json"
+#: Seconds one entry's tests may take in the bisect check.
+BISECT_ENTRY_TIMEOUT_S: float = 1200.0
+
+
+class StackError(fl.ForkError):
+    """The stack mapping is inconsistent or does not apply upstream."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems: List[str] = list(problems)
+        super().__init__(
+            "the stack in patches/series is not sound:\n  - "
+            + "\n  - ".join(self.problems)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class StackCommit:
+    """
+    One commit of the built stack.
+
+    Args:
+        entry (fl.StackEntry): the entry it was made from.
+        sha (str): the commit in the stack repository.
+        files (List[Tuple[str, int, int]]): (path, added, removed) per file.
+    """
+
+    entry: fl.StackEntry
+    sha: str
+    files: List[Tuple[str, int, int]]
+
+    @property
+    def changed_lines(self) -> int:
+        """Lines added plus lines removed."""
+        return sum(added + removed for _, added, removed in self.files)
+
+
+@dataclasses.dataclass(frozen=True)
+class Export:
+    """
+    An exported stack.
+
+    Args:
+        cover_letter (Optional[Path]): ``0000-cover-letter.patch``, if written.
+        patches (List[Path]): ``0001-*.patch`` ..., one per commit, in order.
+        commits (List[StackCommit]): the commits they were made from.
+    """
+
+    cover_letter: Optional[Path]
+    patches: List[Path]
+    commits: List[StackCommit]
+
+    @property
+    def files(self) -> List[Path]:
+        """Every file written, in ``git am`` order (cover letter first)."""
+        return ([self.cover_letter] if self.cover_letter else []) + self.patches
+
+
+# --------------------------------------------------------------------------- build
+
+
+def export_identity(repo: Path) -> Dict[str, str]:
+    """
+    Author and committer of the exported commits: the repository's git
+    identity (``user.name``, ``user.email``) when it has one, else the tools'
+    one; dated like the repository's HEAD commit (so an export is reproducible).
+    """
+    identity = dict(fl.GIT_IDENTITY)
+
+    def config(key: str) -> str:
+        proc = fl.git(["config", "--get", key], repo, check=False)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    name, email = config("user.name"), config("user.email")
+    if name and email:
+        for role in ("AUTHOR", "COMMITTER"):
+            identity[f"GIT_{role}_NAME"] = name
+            identity[f"GIT_{role}_EMAIL"] = email
+    head = fl.git(["log", "-1", "--format=%cI"], repo, check=False)
+    if head.returncode == 0 and head.stdout.strip():
+        for role in ("AUTHOR", "COMMITTER"):
+            identity[f"GIT_{role}_DATE"] = head.stdout.strip()
+    return identity
+
+
+def parse_author(text: str) -> Dict[str, str]:
+    """``"Name <email>"`` as git's author and committer environment."""
+    match = re.fullmatch(r"\s*(.+?)\s*<([^<>]+)>\s*", text)
+    if match is None:
+        raise fl.ForkError(f"--author must look like 'Name <email>', got {text!r}")
+    env: Dict[str, str] = {}
+    for role in ("AUTHOR", "COMMITTER"):
+        env[f"GIT_{role}_NAME"] = match.group(1)
+        env[f"GIT_{role}_EMAIL"] = match.group(2)
+    return env
+
+
+def checked_stack(
+    repo: Path,
+) -> Tuple[List[fl.StackEntry], fl.UpstreamTree, Dict[str, bytes]]:
+    """
+    The stack, upstream's tree and the wheel's files, after checking that the
+    mapping is sound and that the stack applies to upstream's tree.
+
+    Raises:
+        StackError: listing every problem found.
+    """
+    stack = fl.load_stack(repo)
+    problems = fl.stack_problems(repo, stack)
+    upstream = fl.load_upstream_tree(repo)
+    wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
+    problems += fl.upstream_problems(repo, stack, upstream, wheel)
+    if problems:
+        raise StackError(problems)
+    return stack, upstream, wheel
+
+
+def _commit(tree: Path, message: str, identity: Dict[str, str]) -> str:
+    fl.git(["add", "-A"], tree)
+    if not fl.git(["status", "--porcelain"], tree).stdout.strip():
+        raise fl.ForkError(
+            f"the commit '{message.splitlines()[0]}' would change nothing in "
+            f"upstream's tree"
+        )
+    fl.git(["commit", "-q", "-F", "-"], tree, input=message, extra_env=identity)
+    return fl.git(["rev-parse", "HEAD"], tree).stdout.strip()
+
+
+def _numstat(tree: Path, sha: str) -> List[Tuple[str, int, int]]:
+    out = fl.git(["show", "--numstat", "--format=", "--no-renames", sha], tree).stdout
+    files: List[Tuple[str, int, int]] = []
+    for line in out.splitlines():
+        if not line.strip():
+            continue
+        added, removed, path = line.split("\t", 2)
+        if added == "-":
+            raise fl.ForkError(f"{path}: binary files cannot be exported as text")
+        files.append((path, int(added), int(removed)))
+    return files
+
+
+def build_stack_repo(
+    tree: Path, repo: Path = fl.REPO_ROOT, identity: Optional[Dict[str, str]] = None
+) -> List[StackCommit]:
+    """
+    Create ``tree`` as a git repository: a first commit (tag ``upstream``)
+    with the base wheel's files plus the overlay files upstream's git tree
+    already has (identical; the wheel lacks them), then one commit per stack
+    entry: its upstream diff, the overlay files it introduces and its changes
+    to earlier ones, with the patch's subject and body as message.
+
+    Args:
+        tree (Path): where to create the repository (must not exist).
+        repo (Path): the fork repository.
+        identity (Optional[Dict[str, str]]): git author/committer environment
+            of the stack's commits (default: the tools' identity).
+
+    Returns:
+        List[StackCommit]: the commits, in order.
+
+    Raises:
+        StackError: when the mapping is not sound or does not apply upstream.
+    """
+    stack, upstream, _ = checked_stack(repo)
+    versions = fl.stack_file_versions(repo, stack)
+    base = fl.load_base(repo)
+    tree.mkdir(parents=True)
+    fl.git(["init", "-q"], tree)
+    fl.extract_upstream(fl.fetch_base_wheel(repo), tree)
+    restored = sorted(
+        rel for entry in stack for rel in entry.files if rel in upstream.blobs
+    )
+    for rel in restored:
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(repo / rel, tree / rel)
+    listing = "".join(f"\n- {rel}" for rel in restored)
+    fl.commit_all(
+        tree,
+        f"{base.name} {base.version}: upstream ({upstream.tag}, "
+        f"{upstream.commit})\n\nThe files of {base.wheel}, plus the files of "
+        f"upstream's git tree the fork needs and the wheel lacks:\n{listing}\n",
+    )
+    fl.git(["tag", fl.UPSTREAM_TAG], tree)
+    commits: List[StackCommit] = []
+    for entry, writes in zip(stack, versions):
+        fl.apply_patch(tree, entry.patch)
+        for rel, data in writes.items():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tree / rel).write_bytes(data)
+        sha = _commit(tree, entry.patch.message, identity or dict(fl.GIT_IDENTITY))
+        commits.append(StackCommit(entry, sha, _numstat(tree, sha)))
+    return commits
+
+
+def _diff(tree: Path, sha: str, paths: Sequence[str]) -> str:
+    if not paths:
+        return ""
+    args = ["diff", "--no-color", "--no-ext-diff", "--no-renames"]
+    args += ["--src-prefix=a/", "--dst-prefix=b/", f"{sha}^", sha, "--", *paths]
+    return fl.git(args, tree).stdout
+
+
+def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
+    """
+    Read back a stack repository (made by :func:`build_stack_repo`, its history
+    then edited with git: say, an early commit introducing a smaller version of
+    a file and a later one completing it) and rewrite every entry's
+    ``patches/NAME.overlay.diff`` from it: the commit's changes to overlay files
+    introduced by earlier entries. The commits must still match the entries
+    one to one, introduce the files the mapping says, change upstream files
+    exactly as the patch files do, and end with the repository's overlay files.
+
+    Args:
+        tree (Path): the stack repository.
+        repo (Path): the fork repository.
+
+    Returns:
+        List[Path]: the overlay-diff files written or removed.
+
+    Raises:
+        fl.ForkError: when the history does not match the mapping.
+    """
+    stack = fl.load_stack(repo)
+    commits = fl.series_commits(tree)
+    if len(commits) != len(stack):
+        raise fl.ForkError(
+            f"{tree} has {len(commits)} commits over '{fl.UPSTREAM_TAG}' but "
+            f"patches/series has {len(stack)} entries"
+        )
+    overlay = {rel for entry in stack for rel in entry.files}
+    earlier: List[str] = []
+    pending: Dict[Path, str] = {}
+    for entry, sha in zip(stack, commits):
+        out = fl.git(
+            ["diff", "--name-status", "--no-renames", f"{sha}^", sha], tree
+        ).stdout
+        changed: Dict[str, str] = {}
+        for line in out.splitlines():
+            status, _, rel = line.partition("\t")
+            changed[rel] = status
+        upstream_paths = sorted(p for p in changed if p not in overlay)
+        if _diff(tree, sha, upstream_paths) != entry.patch.diff:
+            raise fl.ForkError(
+                f"commit {sha[:12]} ({entry.name}) changes upstream files unlike "
+                f"patches/{entry.name}; change those with materialize and refresh"
+            )
+        for rel in entry.files:
+            if changed.get(rel, "A") != "A":
+                raise fl.ForkError(
+                    f"commit {sha[:12]} ({entry.name}) must add {rel}, not change it"
+                )
+        stray = [
+            p
+            for p in changed
+            if p in overlay and p not in entry.files and p not in earlier
+        ]
+        if stray:
+            raise fl.ForkError(
+                f"commit {sha[:12]} ({entry.name}) touches {', '.join(stray)}, "
+                f"which a later entry introduces"
+            )
+        diff = _diff(tree, sha, sorted(p for p in changed if p in earlier))
+        pending[fl.overlay_diff_path(repo, entry.name)] = diff
+        earlier += [rel for rel in entry.files if rel not in earlier]
+    head = commits[-1] if commits else fl.UPSTREAM_TAG
+    for rel in sorted(overlay):
+        shown = subprocess.run(
+            ["git", "show", f"{head}:{rel}"], cwd=tree, capture_output=True
+        )
+        if shown.returncode != 0 or shown.stdout != (repo / rel).read_bytes():
+            raise fl.ForkError(
+                f"{rel} at the top of {tree} differs from the repository's file: "
+                f"the overlay holds the final state of every file"
+            )
+    written: List[Path] = []
+    for path, diff in pending.items():
+        if diff and (not path.exists() or path.read_text() != diff):
+            path.write_text(diff)
+            written.append(path)
+        elif not diff and path.exists():
+            path.unlink()
+            written.append(path)
+    return written
+
+
+def _file_diff(rel: str, before: bytes, after: bytes) -> str:
+    """``git diff`` of one file between two contents, as the overlay diffs
+    keep it (``a/``, ``b/`` prefixes)."""
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-diff-") as tmp:
+        root = Path(tmp)
+        fl.git(["init", "-q"], root)
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(before)
+        fl.git(["add", "-A"], root)
+        (root / rel).write_bytes(after)
+        args = ["diff", "--no-color", "--no-ext-diff", "--no-renames"]
+        return fl.git(args + ["--src-prefix=a/", "--dst-prefix=b/"], root).stdout
+
+
+def _sections(diff: str) -> Dict[str, str]:
+    """A diff's ``diff --git`` sections, by file."""
+    parts = re.split(r"^(?=diff --git )", diff, flags=re.MULTILINE)
+    out: Dict[str, str] = {}
+    for part in parts:
+        changes = fl.diff_changes(part)
+        if changes:
+            out[changes[0].path] = part
+    return out
+
+
+def absorb_overlay_changes(repo: Path = fl.REPO_ROOT, depth: int = 200) -> List[Path]:
+    """
+    After overlay files changed, rewrite the overlay diffs that no longer
+    apply: a change to a file goes into the last entry whose overlay diff
+    changes that file, and the file's earlier versions stay as they were.
+    The file's previous final version is found in the repository's git
+    history (the newest one, among the last ``depth`` commits that touched
+    the file, on which the overlay diffs apply); so commit overlay diffs
+    together with the files they fit.
+
+    Args:
+        repo (Path): the fork repository (a git checkout).
+        depth (int): how many commits of each file's history to try.
+
+    Returns:
+        List[Path]: the overlay-diff files rewritten.
+
+    Raises:
+        fl.ForkError: when no earlier version of a file fits its overlay diffs.
+    """
+    stack = fl.load_stack(repo)
+    chains: Dict[str, List[int]] = {}
+    for k, entry in enumerate(stack):
+        for change in fl.diff_changes(entry.overlay_diff):
+            chains.setdefault(change.path, []).append(k)
+    rewritten: Dict[int, Dict[str, str]] = {}
+    for rel, ks in sorted(chains.items()):
+        final = (repo / rel).read_bytes()
+        diffs = [_sections(stack[k].overlay_diff)[rel] for k in ks]
+
+        def undo(content: bytes, diffs: Sequence[str] = diffs) -> bytes:
+            for diff in reversed(diffs):
+                content = fl._apply_to_files(
+                    {rel: content}, diff, reverse=True, what=rel
+                )[rel]
+            return content
+
+        try:
+            undo(final)
+            continue  # the diffs still apply
+        except fl.ForkError:
+            pass
+        log = fl.git(
+            ["log", f"-{depth}", "--format=%H", "--", rel], repo, check=False
+        ).stdout.split()
+        before_last: Optional[bytes] = None
+        for sha in log:
+            shown = subprocess.run(
+                ["git", "show", f"{sha}:{rel}"], cwd=repo, capture_output=True
+            )
+            if shown.returncode != 0:
+                continue
+            try:
+                undo(shown.stdout)
+            except fl.ForkError:
+                continue
+            before_last = undo(shown.stdout, diffs[-1:])
+            break
+        if before_last is None:
+            raise fl.ForkError(
+                f"{rel}: no version in the last {depth} commits that touched it "
+                f"fits the overlay diffs; rebuild them with stack-tree and "
+                f"refresh-stack"
+            )
+        rewritten.setdefault(ks[-1], {})[rel] = _file_diff(rel, before_last, final)
+    written: List[Path] = []
+    for k, new_sections in sorted(rewritten.items()):
+        entry = stack[k]
+        sections = _sections(entry.overlay_diff)
+        sections.update(new_sections)
+        text = "".join(sections[rel] for rel in sorted(sections) if sections[rel])
+        path = fl.overlay_diff_path(repo, entry.name)
+        path.write_text(text)
+        written.append(path)
+    return written
+
+
+# --------------------------------------------------------------------------- export
+
+
+def benchmark_summary(repo: Path) -> str:
+    """The latest benchmark table of the repository (its results JSON), as
+    plain text: the machine, the command, the table."""
+    path = repo / BENCHMARK_RESULTS
+    if not path.is_file():
+        return f"(no benchmark results in {BENCHMARK_RESULTS})"
+    data = json.loads(path.read_text())
+    lines = textwrap.wrap(str(data.get("header", "")).strip(), width=72)
+    argv = data.get("argv")
+    if argv:
+        lines.append("command: python " + " ".join(str(a) for a in argv))
+    lines.append("")
+    lines += [
+        line.rstrip() for line in str(data.get("table", "")).strip("\n").split("\n")
+    ]
+    return "\n".join(lines).strip("\n")
+
+
+def _indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line if line.strip() else "" for line in text.split("\n"))
+
+
+def cover_letter_text(
+    repo: Path, commits: Sequence[StackCommit], upstream: fl.UpstreamTree
+) -> Tuple[str, str]:
+    """
+    The cover letter's subject and blurb, from ``patches/cover-letter.txt``
+    (first line: the subject; the rest: the blurb, where ``$stack``,
+    ``$benchmark``, ``$tests``, ``$base_tag``, ``$base_commit``,
+    ``$base_wheel`` and ``$max_lines`` are filled in).
+    """
+    path = repo / COVER_LETTER_TEMPLATE
+    if path.is_file():
+        subject, _, blurb = path.read_text().partition("\n")
+    else:
+        subject, blurb = "Live resharding of sharded embedding modules", "$stack\n"
+    total = len(commits)
+    width = len(str(total))
+    stack = "\n".join(
+        f"  {i:0{width}d}/{total} {c.entry.patch.subject} "
+        f"({len(c.files)} file{'s' if len(c.files) != 1 else ''}, "
+        f"{c.changed_lines} lines)"
+        for i, c in enumerate(commits, start=1)
+    )
+    tests = sorted(
+        {
+            path
+            for c in commits
+            for path, _, _ in c.files
+            if fl.is_test_file(path) and path not in upstream.blobs
+        }
+    )
+    base = fl.load_base(repo)
+    text = string.Template(blurb.strip("\n")).substitute(
+        stack=stack,
+        tests=" \\\n".join(["    pytest"] + [f"        {t}" for t in tests]),
+        benchmark=_indent(benchmark_summary(repo)),
+        base_tag=upstream.tag,
+        base_commit=upstream.commit,
+        base_wheel=base.wheel,
+        max_lines=MAX_CHANGED_LINES,
+    )
+    return subject.strip(), text
+
+
+def export_stack(
+    repo: Path,
+    out: Path,
+    *,
+    cover_letter: bool = True,
+    identity: Optional[Dict[str, str]] = None,
+) -> Export:
+    """
+    Write the stack as a numbered ``git format-patch`` series into ``out``
+    (old ``*.patch`` files there are removed): ``0000-cover-letter.patch``,
+    then one patch per stack entry. ``git am`` applies it to upstream's git
+    tree at the base's tag (cover letter included with ``--empty=drop``).
+
+    Args:
+        repo (Path): the fork repository.
+        out (Path): the output directory.
+        cover_letter (bool): also write the cover letter.
+        identity (Optional[Dict[str, str]]): author and committer (default:
+            :func:`export_identity`).
+
+    Returns:
+        Export: the files written and the commits.
+    """
+    identity = identity or export_identity(repo)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.patch"):
+        old.unlink()
+    upstream = fl.load_upstream_tree(repo)
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-export-") as tmp:
+        tree = Path(tmp) / "tree"
+        commits = build_stack_repo(tree, repo, identity)
+        args = ["format-patch", "-q", "--numbered", "--zero-commit"]
+        args += ["--no-signature", "--full-index", "--no-renames", "-o", str(out)]
+        if cover_letter:
+            args.append("--cover-letter")
+        fl.git(args + [f"{fl.UPSTREAM_TAG}..HEAD"], tree, extra_env=identity)
+    files = sorted(out.glob("*.patch"))
+    letter = out / "0000-cover-letter.patch" if cover_letter else None
+    if letter is not None:
+        subject, blurb = cover_letter_text(repo, commits, upstream)
+        text = letter.read_text()
+        text = text.replace("*** SUBJECT HERE ***", subject, 1)
+        text = text.replace("*** BLURB HERE ***", blurb, 1)
+        text = text.rstrip("\n") + f"\n\nbase-commit: {upstream.commit}\n"
+        letter.write_text(text)
+    patches = [f for f in files if f != letter]
+    return Export(letter, patches, commits)
+
+
+def oversized(
+    commits: Sequence[StackCommit], limit: int = MAX_CHANGED_LINES
+) -> List[str]:
+    """One message per commit over ``limit`` changed lines, naming its biggest
+    files (the candidates to split, or to stage with an overlay diff)."""
+    messages: List[str] = []
+    for i, commit in enumerate(commits, start=1):
+        if commit.changed_lines <= limit:
+            continue
+        biggest = sorted(commit.files, key=lambda f: -(f[1] + f[2]))[:4]
+        files = ", ".join(
+            f"{path} ({added + removed})" for path, added, removed in biggest
+        )
+        messages.append(
+            f"{i:02d} {commit.entry.name}: {commit.changed_lines} changed lines "
+            f"> {limit}; biggest files: {files}"
+        )
+    return messages
+
+
+def stack_table(commits: Sequence[StackCommit]) -> str:
+    """A table of the stack: number, entry, files, lines, subject."""
+    rows = [f"{'#':>2}  {'lines':>5}  {'files':>5}  entry: subject"]
+    for i, commit in enumerate(commits, start=1):
+        flag = "  << over the limit" if commit.changed_lines > MAX_CHANGED_LINES else ""
+        rows.append(
+            f"{i:02d}  {commit.changed_lines:5d}  {len(commit.files):5d}  "
+            f"{commit.entry.name}: {commit.entry.patch.subject}{flag}"
+        )
+    return "\n".join(rows)
+
+
+# --------------------------------------------------------------------------- bisect
+
+
+@dataclasses.dataclass(frozen=True)
+class BisectResult:
+    """
+    The check of one commit of the stack.
+
+    Args:
+        index (int): 1-based position in the stack.
+        name (str): the entry's patch file.
+        tests (List[str]): the entry's own test files.
+        ok (bool): the fork at this commit imports and the tests pass.
+        reason (str): why not, when not ok.
+        seconds (float): wall time of the check.
+        output (str): output of the test run.
+    """
+
+    index: int
+    name: str
+    tests: List[str]
+    ok: bool
+    reason: str
+    seconds: float
+    output: str
+
+
+# Runs in a fresh interpreter with the prefix tree first on sys.path: imports
+# every module of the fork present at this commit, then the commit's tests.
+_BISECT_RUNNER: str = """
+import importlib, json, os, sys
+cfg = json.loads(sys.argv[1])
+sys.path.insert(0, cfg["tree"])
+import torchrec
+where = os.path.realpath(torchrec.__file__)
+if not where.startswith(os.path.realpath(cfg["tree"]) + os.sep):
+    sys.exit("torchrec imports from %s, not from the stack's tree" % where)
+for name in cfg["modules"]:
+    importlib.import_module(name)
+import pytest
+sys.exit(pytest.main(cfg["pytest"]))
+"""
+
+
+def _invalidate_bytecode(tree: Path, rels: Sequence[str]) -> None:
+    # The tree changes in place between commits, sometimes within a second: a
+    # cached .pyc validated by mtime and size could outlive its source.
+    for rel in rels:
+        path = tree / rel
+        for cached in path.parent.joinpath("__pycache__").glob(path.stem + ".*.pyc"):
+            cached.unlink()
+
+
+def entry_tests(writes: Dict[str, bytes]) -> List[str]:
+    """The tests an entry owns: the test modules it introduces or changes."""
+    return sorted(rel for rel in writes if fl.is_test_file(rel))
+
+
+def bisect_check(
+    repo: Path = fl.REPO_ROOT,
+    *,
+    only: Optional[Sequence[str]] = None,
+    pytest_args: Sequence[str] = (),
+    stop_first: bool = False,
+    keep: Optional[Path] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> List[BisectResult]:
+    """
+    Prove every commit of the stack works on its own. One tree, built once
+    from the wheel, advances commit by commit (the entry's upstream diff, its
+    overlay files at that commit); at each commit a fresh interpreter with the
+    tree first on ``sys.path`` (instead of installing it into the environment)
+    imports every module of the fork present so far and runs the entry's own
+    tests with pytest. An entry without tests of its own fails.
+
+    Args:
+        repo (Path): the fork repository.
+        only (Optional[Sequence[str]]): check only these entries (patch file
+            names); the others are still applied.
+        pytest_args (Sequence[str]): extra pytest arguments.
+        stop_first (bool): stop at the first failing entry.
+        keep (Optional[Path]): build the tree there (kept) instead of in a
+            temporary directory.
+        log (Optional[Callable[[str], None]]): called with one line per entry.
+
+    Returns:
+        List[BisectResult]: one per checked entry, in stack order.
+
+    Raises:
+        StackError: when the mapping is not sound.
+    """
+    stack = fl.load_stack(repo)
+    problems = fl.stack_problems(repo, stack)
+    if problems:
+        raise StackError(problems)
+    unknown = sorted(set(only or ()) - {e.name for e in stack})
+    if unknown:
+        raise fl.ForkError(f"no such stack entries: {', '.join(unknown)}")
+    versions = fl.stack_file_versions(repo, stack)
+    wheel = fl.fetch_base_wheel(repo)
+    results: List[BisectResult] = []
+    with tempfile.TemporaryDirectory(prefix="torchrec-fork-bisect-") as tmp:
+        scratch = Path(tmp)
+        tree = (keep or scratch / "tree").resolve()
+        if tree.exists():
+            shutil.rmtree(tree)
+        fl.extract_upstream(wheel, tree)
+        present: List[str] = []
+        for index, (entry, writes) in enumerate(zip(stack, versions), start=1):
+            fl.apply_patch(tree, entry.patch)
+            for rel, data in writes.items():
+                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tree / rel).write_bytes(data)
+            changed = [c.path for c in fl.diff_changes(entry.patch.diff)]
+            _invalidate_bytecode(tree, changed + list(writes))
+            present += [rel for rel in writes if rel not in present]
+            if only and entry.name not in only:
+                continue
+            result = _check_entry(
+                scratch, tree, index, entry, writes, present, pytest_args
+            )
+            results.append(result)
+            if log is not None:
+                status = "ok" if result.ok else f"FAILED ({result.reason})"
+                log(
+                    f"{index:02d} {entry.name}: {status} in {result.seconds:.0f} s "
+                    f"[{', '.join(Path(t).name for t in result.tests) or 'no tests'}]"
+                )
+            if stop_first and not result.ok:
+                break
+    return results
+
+
+def _check_entry(
+    scratch: Path,
+    tree: Path,
+    index: int,
+    entry: fl.StackEntry,
+    writes: Dict[str, bytes],
+    present: Sequence[str],
+    pytest_args: Sequence[str],
+) -> BisectResult:
+    tests = entry_tests(writes)
+    if not tests:
+        return BisectResult(
+            index, entry.name, [], False, "no tests of its own", 0.0, ""
+        )
+    modules = [
+        name
+        for rel in present
+        if not fl.is_test_file(rel)
+        for name in [fl.module_name(rel)]
+        if name is not None
+    ]
+    config = {
+        "tree": str(tree),
+        "modules": modules,
+        "pytest": ["-q", "-p", "no:cacheprovider", f"--rootdir={tree}"]
+        + list(pytest_args)
+        + [str(tree / rel) for rel in tests],
+    }
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    )
+    workdir = scratch / f"run-{index:02d}"
+    workdir.mkdir(exist_ok=True)
+    start = time.monotonic()
+    # Its own session: on a timeout (or an interrupt) the runner and every
+    # process its tests started (ranks, forkservers) are stopped together.
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _BISECT_RUNNER, json.dumps(config)],
+        cwd=workdir,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=BISECT_ENTRY_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        output, _ = proc.communicate()
+        return BisectResult(
+            index,
+            entry.name,
+            tests,
+            False,
+            f"timed out after {BISECT_ENTRY_TIMEOUT_S:.0f} s",
+            time.monotonic() - start,
+            output,
+        )
+    except BaseException:
+        _kill_session(proc)
+        raise
+    seconds = time.monotonic() - start
+    if proc.returncode == 0:
+        return BisectResult(index, entry.name, tests, True, "", seconds, output)
+    reason = "tests failed" if proc.returncode == 1 else f"exit {proc.returncode}"
+    if proc.returncode == 5:
+        reason = "pytest collected no test"
+    return BisectResult(index, entry.name, tests, False, reason, seconds, output)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """Stop whatever is left of the session the runner leads."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
