@@ -24,9 +24,19 @@ between ranks (and between sharding types) inside a running job.
 * ``storage`` — kernel memory: kept tables keep their storage, old storage is
   released only where nobody else can see it;
 * ``model`` — ``DistributedModelParallel``: a whole new plan in one
-  transaction, and its dry run.
+  transaction, and its dry run;
+* ``elastic`` — a model onto another set of ranks (shrink, grow, any set),
+  unsharded onto one rank, or sharded from the one rank holding its weights.
 """
 
+from torchrec.distributed.resharding.elastic import (  # noqa
+    move_model,
+    MovedModel,
+    MoveReport,
+    shard_from_rank,
+    unshard_model,
+    UnshardedModel,
+)
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
     DryRunReport,
@@ -51,6 +61,9 @@ from torchrec.distributed.resharding.transaction import (  # noqa
 __all__ = [
     "DryRunReport",
     "ModelReshardReport",
+    "MovedModel",
+    "MoveReport",
+    "UnshardedModel",
     "PreparedReshard",
     "ReshardAbortedError",
     "ReshardError",
@@ -58,9 +71,12 @@ __all__ = [
     "ReshardReport",
     "StorageMode",
     "dry_run",
+    "move_model",
     "plan_delta",
     "prepare_model_reshard",
     "prepare_reshard",
     "reshard_model",
     "reshard_module",
+    "shard_from_rank",
+    "unshard_model",
 ]

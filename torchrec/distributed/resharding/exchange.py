@@ -179,7 +179,8 @@ def agree(
             (default: the backend's default process-group timeout).
 
     Returns:
-        Agreement: the transaction's name and every rank's facts.
+        Agreement: the transaction's name and every rank's facts, by
+        group-local rank.
 
     Raises:
         ReshardAbortedError: on every rank that called, when some rank did not
@@ -187,10 +188,46 @@ def agree(
         ReshardError: on every rank, if the digests differ or any rank failed
             validation (the lowest failing rank's message).
     """
-    timeout = timeout or _default_timeout(process_group)
-    global_ranks = dist.get_process_group_ranks(process_group)
+    return agree_among(
+        dist.get_process_group_ranks(process_group),
+        digest,
+        error,
+        facts,
+        timeout or _default_timeout(process_group),
+    )
+
+
+def agree_among(
+    global_ranks: Sequence[int],
+    digest: int,
+    error: Optional[str],
+    facts: Any,
+    timeout: Optional[timedelta] = None,
+) -> Agreement:
+    """
+    :func:`agree` among any ranks of the job, given by their global ranks (in
+    the order that numbers them), e.g. the ranks of two groups a model moves
+    between; no process group over them needs to exist.
+
+    Args:
+        global_ranks (Sequence[int]): the participants; this rank among them.
+        digest (int): digest of this rank's request.
+        error (Optional[str]): this rank's validation error, if any.
+        facts (Any): picklable facts this rank shares with the others.
+        timeout (Optional[timedelta]): how long to wait for the other ranks
+            (default: the default process group's backend's).
+
+    Returns:
+        Agreement: the transaction's name and every participant's facts, in
+        the order of ``global_ranks``.
+
+    Raises:
+        ReshardAbortedError: see :func:`agree`.
+        ReshardError: see :func:`agree`.
+    """
+    timeout = timeout or _default_timeout(c10d._get_default_group())
     world_size = len(global_ranks)
-    rank = dist.get_rank(process_group)
+    rank = list(global_ranks).index(dist.get_rank())
     store = c10d._get_default_store()
     prefix = _rendezvous_prefix(global_ranks)
     attempt = _open_attempt(store, prefix)
@@ -210,10 +247,14 @@ def agree(
             decision = store.compare_set(f"{here}/state", "", _ABORTED)
     _close_attempt(store, prefix, attempt)
     if decision != _GO:
-        missing = [r for r in range(world_size) if not store.check([f"{here}/rank{r}"])]
+        missing = [
+            global_ranks[r]
+            for r in range(world_size)
+            if not store.check([f"{here}/rank{r}"])
+        ]
         raise ReshardAbortedError(
-            f"rank {rank}: group ranks {missing} did not join the reshard within "
-            f"{timeout}; nothing moved and the module is unchanged"
+            f"rank {dist.get_rank()}: ranks {missing} did not join the reshard "
+            f"within {timeout}; nothing moved and the module is unchanged"
         )
     gathered = [pickle.loads(store.get(f"{here}/rank{r}")) for r in range(world_size)]
     # Nobody returns (and may exit, taking the store's host with it) before
@@ -265,17 +306,47 @@ def open_exchange_group(
     Raises:
         ReshardAbortedError: when a peer does not connect within the timeout.
     """
-    global_ranks = dist.get_process_group_ranks(process_group)
+    return open_exchange_group_among(
+        dist.get_process_group_ranks(process_group),
+        transaction,
+        timeout or _default_timeout(process_group),
+        dist.get_backend(process_group),
+    )
+
+
+def open_exchange_group_among(
+    global_ranks: Sequence[int],
+    transaction: str,
+    timeout: Optional[timedelta] = None,
+    backend: Optional[str] = None,
+) -> dist.ProcessGroup:
+    """
+    :func:`open_exchange_group` over any ranks of the job, given by their
+    global ranks (their group-local ranks follow this order).
+
+    Args:
+        global_ranks (Sequence[int]): the members; this rank among them.
+        transaction (str): :attr:`Agreement.transaction`.
+        timeout (Optional[timedelta]): timeout of its collectives.
+        backend (Optional[str]): the backend (default: the default group's).
+
+    Returns:
+        dist.ProcessGroup: the exchange group.
+
+    Raises:
+        ReshardAbortedError: when a peer does not connect within the timeout.
+    """
+    default = c10d._get_default_group()
     store = c10d._get_default_store()
     try:
         group, _ = c10d._new_process_group_helper(
             len(global_ranks),
-            dist.get_rank(process_group),
-            global_ranks,
-            dist.get_backend(process_group),
+            list(global_ranks).index(dist.get_rank()),
+            list(global_ranks),
+            backend or dist.get_backend(default),
             store,
             c10d.GroupName(transaction),
-            timeout=timeout or _default_timeout(process_group),
+            timeout=timeout or _default_timeout(default),
         )
     except Exception as e:
         raise ReshardAbortedError(

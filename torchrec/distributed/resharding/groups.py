@@ -39,6 +39,7 @@ from torchrec.distributed.resharding.plan import (
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
+
 @dataclass
 class NewGroups:
     """

@@ -177,6 +177,22 @@ class TableLayout:
     def bytes_on(self, rank: int, element_size: int) -> int:
         return sum(s.rect.numel for s in self.shards_on(rank)) * element_size
 
+    def remap_ranks(self, ranks: Mapping[int, int]) -> "TableLayout":
+        """
+        Args:
+            ranks (Mapping[int, int]): old rank -> new rank, for every rank
+                holding a shard (e.g. group-local -> global).
+
+        Returns:
+            TableLayout: the same shards, on the mapped ranks.
+        """
+        return TableLayout(
+            self.rows,
+            self.cols,
+            tuple(PlacedShard(ranks[s.rank], s.rect) for s in self.shards),
+            self.replicated,
+        )
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -290,7 +306,10 @@ def layout_from_parameter_sharding(
     return TableLayout(
         rows,
         cols,
-        tuple(PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m)) for m in spec.shards),
+        tuple(
+            PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m))
+            for m in spec.shards
+        ),
     )
 
 
@@ -310,7 +329,10 @@ def layout_from_shards_metadata(
     return TableLayout(
         rows,
         cols,
-        tuple(PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m)) for m in shards_metadata),
+        tuple(
+            PlacedShard(_placement_rank(m), Rect.from_shard_metadata(m))
+            for m in shards_metadata
+        ),
     )
 
 

@@ -403,7 +403,7 @@ class KeptStorage(KernelBuildHooks):
 
 
 def _uninitialized_host_buffers(
-    tbe_kwargs: Mapping[str, Any]
+    tbe_kwargs: Mapping[str, Any],
 ) -> Optional[Dict[str, torch.Tensor]]:
     """
     Uninitialised host buffers of the sizes fbgemm would allocate (and zero)

@@ -185,7 +185,9 @@ class _ModuleReshard:
         return [t for t in self.tables if self.old_layouts[t] != self.new_layouts[t]]
 
 
-def _check_rebuilt_kernels(adapter: ShardedModuleAdapter, tables: Sequence[str]) -> None:
+def _check_rebuilt_kernels(
+    adapter: ShardedModuleAdapter, tables: Sequence[str]
+) -> None:
     plan = adapter.plan()
     for table in tables:
         kernel = plan[table].compute_kernel
@@ -232,9 +234,7 @@ def _prepare_module(
         ReshardReport(rank),
     )
     if build and rebuilt:
-        reuse = options.storage == StorageMode.REUSE and storage_reuse_supported(
-            device
-        )
+        reuse = options.storage == StorageMode.REUSE and storage_reuse_supported(device)
         if reuse:
             split_kept_tables(
                 infos, rebuilt, set(delta), next_generation(adapter.sharding_infos())
@@ -246,9 +246,7 @@ def _prepare_module(
     return module
 
 
-def _request_digest(
-    requests: Sequence[Tuple[str, ShardedModuleAdapter, Any]]
-) -> int:
+def _request_digest(requests: Sequence[Tuple[str, ShardedModuleAdapter, Any]]) -> int:
     parts = []
     for path, _, delta in requests:
         try:

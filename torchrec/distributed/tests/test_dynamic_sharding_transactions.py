@@ -29,12 +29,11 @@ import copy
 import time
 import unittest
 from datetime import timedelta
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 from torch.distributed import _remote_device
-from fbgemm_gpu.split_embedding_configs import SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     BoundsCheckMode,
     CacheAlgorithm,

@@ -1,0 +1,1090 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Elastic resharding: move a running model onto a different set of ranks.
+
+A ``DistributedModelParallel`` model runs on a process group ``G``;
+:func:`move_model`, called by every rank of ``G ∪ G'``, moves it onto ``G'``
+under a new plan for ``G'`` — shrink, grow, any other set of ranks:
+
+1. **agree** (every participant, on the job's key-value store, bounded by the
+   exchange timeout): the same request everywhere, the same groups, the same
+   tables in the model and in the definitions the joining ranks pass; the old
+   plan, the optimizer facts and the dense tensors travel with the agreement;
+2. **build** the model on ``G'``: every rank of ``G'`` builds a fresh
+   ``DistributedModelParallel`` over ``G'`` from the unsharded definition
+   (ranks that stay derive it from their model), kernels uninitialised;
+3. **move**, on a process group made for the transaction over ``G ∪ G'``:
+   every table's pieces go from their old owners to their new ones (weights
+   and fused optimizer state, as in a reshard within one group; layouts are
+   planned in global ranks), the dense parameters, buffers and the dense
+   optimizer's state are broadcast from a rank of ``G``;
+4. **release** the old model on every rank of ``G``.
+
+Until step 4 the old model is untouched: a failure raises on every rank and
+nothing is lost. :func:`unshard_model` (every table onto one rank as plain
+modules) and :func:`shard_from_rank` (tables only one rank holds, sharded onto
+the group) are the same move between a sharded model and plain modules on one
+rank.
+"""
+
+import copy
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.resharding.exchange import (
+    agree_among,
+    Agreement,
+    close_exchange_group,
+    exchange_pieces,
+    Field,
+    FieldKind,
+    open_exchange_group_among,
+)
+from torchrec.distributed.resharding.install import adapter_for
+from torchrec.distributed.resharding.kernel_state import (
+    LocalSlot,
+    read_piece,
+    RowwiseMerges,
+    SlotKey,
+    target_piece,
+    write_piece,
+    zero_undelivered_state,
+)
+from torchrec.distributed.resharding.optimizer_state import (
+    apply_table_facts,
+    local_table_facts,
+    merge_table_facts,
+    TableFacts,
+)
+from torchrec.distributed.resharding.plan import (
+    describe_parameter_sharding,
+    layout_from_parameter_sharding,
+    plan_table_transfers,
+    Rect,
+    ReshardAbortedError,
+    ReshardError,
+    ReshardPlan,
+    TableLayout,
+    Transfer,
+    validate_parameter_sharding,
+)
+from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.transaction import ReshardOptions
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+)
+from torchrec.optim.keyed import KeyedOptimizer
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+# table of a module: (name, rows, columns)
+TableShape = Tuple[str, int, int]
+
+
+@dataclass
+class MoveReport:
+    """
+    What one rank did in a move between groups.
+
+    Args:
+        rank (int): global rank.
+        role (str): "stayed", "left" or "joined" (or "source" / "destination"
+            for :func:`shard_from_rank` / :func:`unshard_model`).
+        tables (int): tables moved.
+        bytes_sent (int): table bytes this rank sent to other ranks.
+        bytes_received (int): table bytes this rank received.
+        bytes_copied_locally (int): table bytes that stayed on this rank.
+        dense_bytes (int): bytes of dense parameters and buffers broadcast.
+        seconds (float): wall time on this rank.
+    """
+
+    rank: int
+    role: str
+    tables: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied_locally: int = 0
+    dense_bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class MovedModel:
+    """
+    The outcome of :func:`move_model` on one rank.
+
+    Args:
+        model (Optional[DistributedModelParallel]): the model on the new group
+            (None on a rank that left).
+        optimizer (Optional[KeyedOptimizer]): the dense optimizer over the new
+            model, with the old one's state (when ``make_optimizer`` was given).
+        report (MoveReport): what this rank did.
+    """
+
+    model: Optional[nn.Module]
+    optimizer: Optional[KeyedOptimizer]
+    report: MoveReport
+
+    @property
+    def left(self) -> bool:
+        """Whether this rank left the model's group."""
+        return self.model is None
+
+
+@dataclass
+class UnshardedModel:
+    """
+    A model's sharded modules as plain modules on one rank.
+
+    Args:
+        modules (Dict[str, nn.Module]): module path -> an unsharded
+            ``EmbeddingBagCollection`` / ``EmbeddingCollection`` (on CPU)
+            holding every weight.
+        optimizer_state (Dict[str, Dict[str, Dict[str, torch.Tensor]]]): module
+            path -> table -> fused optimizer state key -> the whole table's
+            state (per element, or per row), when asked for.
+    """
+
+    modules: Dict[str, nn.Module]
+    optimizer_state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+
+# ------------------------------------------------------------------ modules
+
+
+def sharded_modules(root: nn.Module) -> Dict[str, nn.Module]:
+    """
+    Args:
+        root (nn.Module): a model (``DistributedModelParallel.module``).
+
+    Returns:
+        Dict[str, nn.Module]: its sharded embedding modules by path.
+    """
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    kinds = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+    return {p: m for p, m in root.named_modules() if isinstance(m, kinds)}
+
+
+def _plain_tables(module: nn.Module) -> List[TableShape]:
+    configs = (
+        module.embedding_bag_configs()
+        if isinstance(module, EmbeddingBagCollection)
+        else module.embedding_configs()
+    )
+    return [(c.name, c.num_embeddings, c.embedding_dim) for c in configs]
+
+
+def _sharded_tables(module: nn.Module) -> List[TableShape]:
+    adapter = adapter_for(module)
+    return [(c.name, *adapter.table_shape(c.name)) for c in adapter.configs()]
+
+
+def _plain_twin(module: nn.Module, device: torch.device) -> nn.Module:
+    """An unsharded module of the same tables as a sharded one."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+
+    if isinstance(module, ShardedEmbeddingCollection):
+        return EmbeddingCollection(
+            tables=copy.deepcopy(module._embedding_configs),
+            device=device,
+            need_indices=module._need_indices,
+        )
+    return EmbeddingBagCollection(
+        tables=copy.deepcopy(module._embedding_bag_configs),
+        is_weighted=module._is_weighted,
+        device=device,
+    )
+
+
+def _unsharded_definition(model: nn.Module) -> nn.Module:
+    """
+    The definition of a sharded model on the meta device: its sharded modules
+    as unsharded ones of the same tables, the rest copied.
+    """
+    root = model.module
+    sharded = sharded_modules(root)
+    parents = {
+        path: (root.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
+        for path in sharded
+    }
+    try:
+        for path, (parent, name) in parents.items():
+            setattr(parent, name, nn.Module())  # not copied: swapped back below
+        definition = copy.deepcopy(root).to("meta")
+    finally:
+        for path, (parent, name) in parents.items():
+            setattr(parent, name, sharded[path])
+    for path in sharded:
+        parent_path, _, name = path.rpartition(".")
+        parent = definition.get_submodule(parent_path)
+        setattr(parent, name, _plain_twin(sharded[path], torch.device("meta")))
+    return definition
+
+
+def _is_dense(name: str, sharded_paths: Sequence[str]) -> bool:
+    return not any(name.startswith(p + ".") for p in sharded_paths)
+
+
+def dense_tensors(root: nn.Module) -> Dict[str, torch.Tensor]:
+    """
+    Args:
+        root (nn.Module): a model.
+
+    Returns:
+        Dict[str, torch.Tensor]: its parameters and buffers outside sharded
+        embedding modules, by name (sorted): the replicated, dense part.
+    """
+    paths = list(sharded_modules(root))
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in list(root.named_parameters()) + list(root.named_buffers()):
+        if _is_dense(name, paths):
+            out[name] = t
+    return dict(sorted(out.items()))
+
+
+# ------------------------------------------------------------------ layouts
+
+
+def _key(path: str, table: str) -> str:
+    return f"{path}:{table}"
+
+
+def plan_layouts(
+    plan: ShardingPlan,
+    tables: Mapping[str, Sequence[TableShape]],
+    group_ranks: Sequence[int],
+) -> Dict[str, TableLayout]:
+    """
+    Args:
+        plan (ShardingPlan): a plan for a group (group-local placements).
+        tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
+        group_ranks (Sequence[int]): the group's global ranks.
+
+    Returns:
+        Dict[str, TableLayout]: "path:table" -> its layout, in global ranks.
+    """
+    out: Dict[str, TableLayout] = {}
+    to_global = dict(enumerate(group_ranks))
+    for path, shapes in sorted(tables.items()):
+        for name, rows, cols in shapes:
+            ps = plan.plan[path][name]
+            layout = layout_from_parameter_sharding(ps, rows, cols, len(group_ranks))
+            out[_key(path, name)] = layout.remap_ranks(to_global)
+    return out
+
+
+def _whole_on(
+    tables: Mapping[str, Sequence[TableShape]], rank: int
+) -> Dict[str, TableLayout]:
+    """Every table whole on one (global) rank."""
+    from torchrec.distributed.resharding.plan import PlacedShard
+
+    return {
+        _key(path, name): TableLayout(
+            rows, cols, (PlacedShard(rank, Rect(0, 0, rows, cols)),)
+        )
+        for path, shapes in sorted(tables.items())
+        for name, rows, cols in shapes
+    }
+
+
+def _transfers(
+    old: Mapping[str, TableLayout],
+    new: Mapping[str, TableLayout],
+    union: Sequence[int],
+) -> ReshardPlan:
+    """Transfers in the union's ranks (its order numbers them)."""
+    local = {g: i for i, g in enumerate(union)}
+    olds = {k: v.remap_ranks(local) for k, v in old.items()}
+    news = {k: v.remap_ranks(local) for k, v in new.items()}
+    transfers: List[Transfer] = []
+    for key in sorted(news):
+        transfers.extend(plan_table_transfers(key, olds[key], news[key]))
+    return ReshardPlan(tuple(transfers), olds, news)
+
+
+# -------------------------------------------------------------------- slots
+
+
+def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
+    """This rank's shards of every sharded module, keyed by "path:table"."""
+    out: Dict[SlotKey, LocalSlot] = {}
+    for path, module in sharded_modules(root).items():
+        adapter = adapter_for(module)
+        for (table, rect), slot in adapter.local_slots(adapter.lookups()).items():
+            key = _key(path, table)
+            out[(key, rect)] = LocalSlot(key, rect, slot.tensors)
+    return out
+
+
+def _plain_weight(module: nn.Module, table: str) -> torch.Tensor:
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bags[table].weight
+    return module.embeddings[table].weight
+
+
+def _plain_slots(
+    modules: Mapping[str, nn.Module],
+    fields: Mapping[str, Sequence[Field]],
+    state: Optional[Dict[str, Dict[str, Dict[str, torch.Tensor]]]],
+) -> Dict[SlotKey, LocalSlot]:
+    """
+    Whole tables of plain modules as slots: their weights and, when ``state``
+    is given, tensors for every other field (filled in ``state``).
+    """
+    out: Dict[SlotKey, LocalSlot] = {}
+    for path, module in modules.items():
+        for name, rows, cols in _plain_tables(module):
+            key = _key(path, name)
+            tensors = {"weight": _plain_weight(module, name).detach()}
+            if state is not None:
+                for f in fields.get(key, []):
+                    if f.name == "weight":
+                        continue
+                    shape = {
+                        FieldKind.RECT: (rows, cols),
+                        FieldKind.ROWS: (rows,),
+                        FieldKind.SCALAR: (1,),
+                    }[f.kind]
+                    tensor = torch.empty(shape, dtype=f.dtype)
+                    state.setdefault(path, {}).setdefault(name, {})[f.name] = tensor
+                    tensors[f.name] = tensor
+            out[(key, Rect(0, 0, rows, cols))] = LocalSlot(
+                key, Rect(0, 0, rows, cols), tensors
+            )
+    return out
+
+
+# -------------------------------------------------------------------- facts
+
+
+@dataclass
+class _Facts:
+    """What a participant tells the others before anything moves."""
+
+    old_ranks: Optional[List[int]] = None
+    new_ranks: Optional[List[int]] = None
+    old_plan: Optional[ShardingPlan] = None
+    tables: Optional[Dict[str, List[TableShape]]] = None
+    defined_tables: Optional[Dict[str, List[TableShape]]] = None
+    table_facts: Optional[Dict[str, TableFacts]] = None
+    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
+    has_optimizer: bool = False
+
+
+def _plan_text(plan: ShardingPlan) -> str:
+    return "\n".join(
+        f"{path}:{table}={describe_parameter_sharding(ps)}"
+        for path in sorted(plan.plan)
+        for table, ps in sorted(plan.plan[path].items())
+    )
+
+
+def _digest(*parts: str) -> int:
+    text = "\n".join(parts)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _model_facts(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> _Facts:
+    root = model.module
+    modules = sharded_modules(root)
+    dense = dense_tensors(root)
+    return _Facts(
+        old_ranks=dist.get_process_group_ranks(model._env.process_group),
+        old_plan=model.plan,
+        tables={path: _sharded_tables(m) for path, m in modules.items()},
+        table_facts={
+            path: local_table_facts(
+                adapter_for(m).lookups(), [t[0] for t in _sharded_tables(m)]
+            )
+            for path, m in modules.items()
+        },
+        dense=[(n, tuple(t.shape), str(t.dtype)) for n, t in dense.items()],
+        has_optimizer=optimizer is not None,
+    )
+
+
+def _defined_tables(
+    definition: nn.Module, plan: ShardingPlan
+) -> Dict[str, List[TableShape]]:
+    """The tables of the modules a plan shards, in an unsharded definition."""
+    out: Dict[str, List[TableShape]] = {}
+    for path in sorted(plan.plan):
+        try:
+            module = definition.get_submodule(path)
+        except AttributeError:
+            raise ReshardError(
+                f"the plan shards module '{path}', which the definition lacks"
+            ) from None
+        if not isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+            raise ReshardError(
+                f"module '{path}' of the definition is a {type(module).__name__}, "
+                "not an EmbeddingBagCollection or EmbeddingCollection"
+            )
+        out[path] = _plain_tables(module)
+    return out
+
+
+def _validate_new_plan(
+    plan: ShardingPlan,
+    tables: Mapping[str, Sequence[TableShape]],
+    world_size: int,
+    device_type: str,
+) -> None:
+    if set(plan.plan) != set(tables):
+        raise ReshardError(
+            f"the new plan covers modules {sorted(plan.plan)}, the model has "
+            f"sharded modules {sorted(tables)}"
+        )
+    for path, shapes in tables.items():
+        names = {t[0] for t in shapes}
+        if set(plan.plan[path]) != names:
+            raise ReshardError(
+                f"module '{path}': the new plan covers tables "
+                f"{sorted(plan.plan[path])}, the module has {sorted(names)}"
+            )
+        for name, rows, cols in shapes:
+            try:
+                validate_parameter_sharding(
+                    name, plan.plan[path][name], rows, cols, world_size, device_type
+                )
+            except ReshardError as e:
+                raise ReshardError(f"module '{path}': {e}") from None
+
+
+def _unique(values: Sequence[Any], what: str) -> Any:
+    present = [v for v in values if v is not None]
+    distinct: List[Any] = []
+    for v in present:
+        if v not in distinct:
+            distinct.append(v)
+    if len(distinct) > 1:
+        raise ReshardError(f"ranks passed different {what}: {distinct}")
+    return distinct[0] if distinct else None
+
+
+@dataclass
+class _Agreed:
+    """What every participant knows after the agreement."""
+
+    union: List[int]
+    old_ranks: List[int]
+    new_ranks: List[int]
+    old_plan: ShardingPlan
+    tables: Dict[str, List[TableShape]]
+    table_facts: Dict[str, TableFacts]
+    dense: List[Tuple[str, Tuple[int, ...], str]]
+    has_optimizer: bool
+
+
+def _check_agreement(union: List[int], all_facts: Sequence[_Facts]) -> _Agreed:
+    """The same checks on every rank, on the same facts: the same outcome."""
+    old_ranks = _unique([f.old_ranks for f in all_facts], "old groups")
+    new_ranks = _unique([f.new_ranks for f in all_facts], "new groups")
+    if old_ranks is None or new_ranks is None:
+        raise ReshardError("no rank passed the model, or no rank the new group")
+    if sorted(set(old_ranks) | set(new_ranks)) != union:
+        raise ReshardError(
+            f"the participants {union} must be the old group {old_ranks} and the "
+            f"new group {new_ranks} together"
+        )
+    for rank, facts in zip(union, all_facts):
+        if rank in old_ranks and facts.old_ranks is None:
+            raise ReshardError(f"rank {rank} is in the old group but passed no model")
+        if rank in new_ranks and facts.new_ranks is None:
+            raise ReshardError(f"rank {rank} is in the new group but passed no env")
+    model_tables = _unique(
+        [f.tables for f, r in zip(all_facts, union) if r in old_ranks], "models"
+    )
+    for rank, facts in zip(union, all_facts):
+        defined = facts.defined_tables
+        if defined is not None and defined != model_tables:
+            raise ReshardError(
+                f"the model definition of rank {rank} has the tables {defined}, "
+                f"the model {model_tables}"
+            )
+    holders = [f for f, r in zip(all_facts, union) if r in old_ranks]
+    table_facts = {
+        path: merge_table_facts([f.table_facts[path] for f in holders if f.table_facts])
+        for path in model_tables
+    }
+    return _Agreed(
+        union,
+        old_ranks,
+        new_ranks,
+        holders[0].old_plan,
+        model_tables,
+        table_facts,
+        holders[0].dense or [],
+        holders[0].has_optimizer,
+    )
+
+
+def _fields(agreed: _Agreed) -> Dict[str, List[Field]]:
+    return {
+        _key(path, name): agreed.table_facts[path].fields_of(name)
+        for path, shapes in agreed.tables.items()
+        for name, _, _ in shapes
+    }
+
+
+# ------------------------------------------------------------------ moving
+
+
+def _move_tables(
+    plan: ReshardPlan,
+    fields: Mapping[str, Sequence[Field]],
+    old_slots: Mapping[SlotKey, LocalSlot],
+    new_slots: Mapping[SlotKey, LocalSlot],
+    rank: int,
+    group: dist.ProcessGroup,
+    options: ReshardOptions,
+    report: MoveReport,
+) -> None:
+    """Local copies and the exchange of every table's pieces (union ranks)."""
+    merges = RowwiseMerges()
+    with torch.no_grad():
+        zero_undelivered_state(new_slots, fields, set())
+        for transfer in plan.local_copies(rank):
+            src = old_slots[(transfer.table, transfer.src_rect)]
+            dst = new_slots[(transfer.table, transfer.dst_rect)]
+            for f in fields[transfer.table]:
+                piece = read_piece(src, transfer, f)
+                write_piece(dst, transfer, f, piece, merges)
+                report.bytes_copied_locally += piece.numel() * piece.element_size()
+        report.bytes_sent, report.bytes_received = exchange_pieces(
+            plan,
+            fields,
+            rank,
+            dist.get_world_size(group),
+            group,
+            read_piece=lambda t, f: read_piece(old_slots[(t.table, t.src_rect)], t, f),
+            write_piece=lambda t, f, data: write_piece(
+                new_slots[(t.table, t.dst_rect)], t, f, data, merges
+            ),
+            device=torch.device("cpu"),
+            max_inflight_bytes=options.max_inflight_bytes,
+            target_piece=lambda t, f: target_piece(
+                new_slots[(t.table, t.dst_rect)], t, f
+            ),
+        )
+        merges.finish()
+
+
+def _broadcast_dense(
+    specs: Sequence[Tuple[str, Tuple[int, ...], str]],
+    source: Optional[Mapping[str, torch.Tensor]],
+    target: Optional[Mapping[str, torch.Tensor]],
+    src: int,
+    group: dist.ProcessGroup,
+) -> int:
+    """
+    The dense tensors, from ``source`` on the group's rank ``src`` into
+    ``target`` (ranks of the new group; None elsewhere): one broadcast per
+    dtype of a buffer that packs them.
+
+    Returns:
+        int: bytes broadcast.
+    """
+    total = 0
+    for dtype_name in sorted({s[2] for s in specs}):
+        dtype = getattr(torch, dtype_name.replace("torch.", ""))
+        members = [s for s in specs if s[2] == dtype_name]
+        sizes = [int(torch.Size(s[1]).numel()) for s in members]
+        if source is not None:
+            buffer = (
+                torch.cat(
+                    [
+                        source[name].detach().reshape(-1).to("cpu")
+                        for name, _, _ in members
+                    ]
+                )
+                if members
+                else torch.empty(0, dtype=dtype)
+            )
+        else:
+            buffer = torch.empty(sum(sizes), dtype=dtype)
+        dist.broadcast(buffer, group_src=src, group=group)
+        total += buffer.numel() * buffer.element_size()
+        if target is not None:
+            with torch.no_grad():
+                for (name, shape, _), piece in zip(members, buffer.split(sizes)):
+                    target[name].copy_(piece.view(shape))
+    return total
+
+
+class _NoInit(KeptStorage):
+    """Kernel build hooks of a model whose every byte is moved in."""
+
+    def __init__(self) -> None:
+        super().__init__([], set(), reuse=False)
+
+
+def _build(
+    definition: nn.Module,
+    env: ShardingEnv,
+    plan: ShardingPlan,
+    sharders: Optional[List[Any]],
+    device: torch.device,
+) -> nn.Module:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    with kernel_build_hooks(_NoInit()):
+        return DistributedModelParallel(
+            definition,
+            env=env,
+            device=device,
+            plan=copy.deepcopy(plan),
+            sharders=sharders,
+        )
+
+
+def _release(model: nn.Module) -> None:
+    model._release()
+
+
+def _agree(
+    union: List[int], digest: int, error: Optional[str], facts: Any, timeout: Any
+) -> Agreement:
+    return agree_among(union, digest, error, facts, timeout)
+
+
+def move_model(
+    model: Optional[nn.Module],
+    new_plan: ShardingPlan,
+    new_env: Optional[ShardingEnv],
+    participants: Sequence[int],
+    definition: Optional[nn.Module] = None,
+    sharders: Optional[List[Any]] = None,
+    optimizer: Optional[KeyedOptimizer] = None,
+    make_optimizer: Optional[Callable[[nn.Module], KeyedOptimizer]] = None,
+    device: Optional[torch.device] = None,
+    options: Optional[ReshardOptions] = None,
+) -> MovedModel:
+    """
+    Moves a running ``DistributedModelParallel`` model from its process group
+    ``G`` onto another group ``G'`` (shrink, grow, any set of ranks), with a
+    new plan for ``G'``. Every rank of ``G ∪ G'`` calls it.
+
+    Args:
+        model (Optional[DistributedModelParallel]): the model, on ranks of
+            ``G``; None on ranks that join.
+        new_plan (ShardingPlan): the plan on ``G'`` (its group-local ranks),
+            the same on every rank.
+        new_env (Optional[ShardingEnv]): the environment over ``G'`` on its
+            ranks (e.g. ``ShardingEnv.from_process_group(new_group)``); None on
+            ranks that leave.
+        participants (Sequence[int]): the global ranks of ``G ∪ G'``, the same
+            on every rank.
+        definition (Optional[nn.Module]): the unsharded model (meta device is
+            enough) on ranks that join; ranks that stay derive it from their
+            model when None.
+        sharders (Optional[List[ModuleSharder]]): the sharders for ``G'`` (ranks
+            that stay default to their model's; ranks that join must pass
+            them).
+        optimizer (Optional[KeyedOptimizer]): the dense optimizer, on ranks of
+            ``G``; its state reaches the new model's optimizer.
+        make_optimizer (Optional[Callable]): on ranks of ``G'``, builds the
+            dense optimizer over the new model (it gets the old one's state).
+        device (Optional[torch.device]): the device on ``G'`` (default: the
+            model's, or CPU).
+        options (Optional[ReshardOptions]): in-flight cap and timeout.
+
+    Returns:
+        MovedModel: the new model on ranks of ``G'`` (None on ranks that
+        left); the old model is released on every rank of ``G``.
+
+    Raises:
+        ReshardError: on every rank, before anything moves, for a bad request
+            (plan, groups, differing definitions).
+        ReshardAbortedError: on every calling rank when a rank does not join
+            in time or the move fails; the old model keeps its state.
+    """
+    start = time.perf_counter()
+    options = options or ReshardOptions()
+    union = sorted(int(r) for r in participants)
+    me = dist.get_rank()
+    if device is None:
+        device = model.device if model is not None else torch.device("cpu")
+    facts = _Facts()
+    error: Optional[str] = None
+    try:
+        if me not in union:
+            raise ReshardError(f"rank {me} calls but is not among {union}")
+        if model is not None:
+            facts = _model_facts(model, optimizer)
+        if new_env is not None:
+            facts.new_ranks = dist.get_process_group_ranks(new_env.process_group)
+            if definition is None and model is not None:
+                definition = _unsharded_definition(model)
+            if definition is None:
+                raise ReshardError("a rank that joins must pass the model definition")
+            if sharders is None and model is not None:
+                sharders = list(model._sharder_map.values())
+            if sharders is None:
+                raise ReshardError("a rank that joins must pass the sharders")
+            facts.defined_tables = _defined_tables(definition, new_plan)
+            _validate_new_plan(
+                new_plan, facts.defined_tables, len(facts.new_ranks), device.type
+            )
+    except ReshardError as e:
+        error = str(e)
+    digest = _digest(_plan_text(new_plan), str(union))
+    agreement = _agree(union, digest, error, facts, options.exchange_timeout)
+    agreed = _check_agreement(union, agreement.facts)
+
+    role = (
+        "stayed"
+        if me in agreed.old_ranks and me in agreed.new_ranks
+        else ("left" if me in agreed.old_ranks else "joined")
+    )
+    report = MoveReport(me, role)
+    new_model: Optional[nn.Module] = None
+    error = None
+    if new_env is not None:
+        try:
+            assert definition is not None
+            new_model = _build(definition, new_env, new_plan, sharders, device)
+            names = [
+                (n, tuple(t.shape), str(t.dtype))
+                for n, t in dense_tensors(new_model.module).items()
+            ]
+            if names != agreed.dense:
+                raise ReshardError(
+                    "the dense part of the new model differs from the old one's"
+                )
+        except Exception as e:
+            error = (
+                f"building the model on the new group failed: {type(e).__name__}: {e}"
+            )
+    try:
+        built = _agree(union, digest, error, None, options.exchange_timeout)
+    except BaseException:
+        if new_model is not None:
+            _release(new_model)
+        raise
+
+    old_layouts = plan_layouts(agreed.old_plan, agreed.tables, agreed.old_ranks)
+    new_layouts = plan_layouts(new_plan, agreed.tables, agreed.new_ranks)
+    plan = _transfers(old_layouts, new_layouts, union)
+    fields = _fields(agreed)
+    report.tables = len(new_layouts)
+    src = union.index(agreed.old_ranks[0])
+    state: List[Any] = [None]
+    group = open_exchange_group_among(
+        union, built.transaction, options.exchange_timeout
+    )
+    try:
+        old_slots = sharded_slots(model.module) if model is not None else {}
+        new_slots = sharded_slots(new_model.module) if new_model is not None else {}
+        if new_model is not None:
+            for path, module in sharded_modules(new_model.module).items():
+                apply_table_facts(
+                    adapter_for(module).lookups(), agreed.table_facts[path]
+                )
+        _move_tables(
+            plan, fields, old_slots, new_slots, union.index(me), group, options, report
+        )
+        report.dense_bytes = _broadcast_dense(
+            agreed.dense,
+            dense_tensors(model.module) if union.index(me) == src else None,
+            dense_tensors(new_model.module) if new_model is not None else None,
+            src,
+            group,
+        )
+        if agreed.has_optimizer:
+            state = [optimizer.state_dict() if union.index(me) == src else None]
+            dist.broadcast_object_list(state, group_src=src, group=group)
+        del old_slots, new_slots
+        dist.barrier(group=group)
+    except Exception as e:
+        close_exchange_group(group)
+        if new_model is not None:
+            _release(new_model)
+        raise ReshardAbortedError(
+            f"rank {me}: moving the model failed ({type(e).__name__}: {e}); the "
+            "model on the old group is unchanged"
+        ) from e
+    close_exchange_group(group)
+
+    if model is not None:
+        _release(model)
+    new_optimizer: Optional[KeyedOptimizer] = None
+    if new_model is not None and make_optimizer is not None:
+        new_optimizer = make_optimizer(new_model)
+        if state[0] is not None:
+            # a KeyedOptimizer loads state only into initialised state
+            new_optimizer.init_state()
+            new_optimizer.load_state_dict(state[0])
+    report.seconds = time.perf_counter() - start
+    logger.info(
+        "model move rank %d (%s): %d tables, sent %d B, received %d B, copied "
+        "locally %d B, dense %d B in %.3f s",
+        me,
+        role,
+        report.tables,
+        report.bytes_sent,
+        report.bytes_received,
+        report.bytes_copied_locally,
+        report.dense_bytes,
+        report.seconds,
+    )
+    return MovedModel(new_model, new_optimizer, report)
+
+
+def unshard_model(
+    model: nn.Module,
+    dst: int = 0,
+    optimizer_state: bool = False,
+    options: Optional[ReshardOptions] = None,
+) -> Optional[UnshardedModel]:
+    """
+    Gathers every sharded module of a model onto one rank as plain, unsharded
+    ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules holding every
+    weight (for inference or export), by one exchange; the model is unchanged.
+    Every rank of the model's group calls it.
+
+    Args:
+        model (DistributedModelParallel): the sharded model.
+        dst (int): the group-local rank that gets the modules.
+        optimizer_state (bool): also gather the fused optimizer state.
+        options (Optional[ReshardOptions]): in-flight cap and timeout.
+
+    Returns:
+        Optional[UnshardedModel]: the modules on ``dst``, None elsewhere.
+
+    Raises:
+        ReshardError: on every rank, for a bad request.
+        ReshardAbortedError: on every calling rank when a rank does not join in
+            time or the exchange fails.
+    """
+    options = options or ReshardOptions()
+    group_ranks = dist.get_process_group_ranks(model._env.process_group)
+    me = dist.get_rank()
+    error: Optional[str] = None
+    if not 0 <= dst < len(group_ranks):
+        error = f"rank {dst} is outside the model's group of {len(group_ranks)}"
+    facts = _model_facts(model, None)
+    agreement = _agree(
+        group_ranks,
+        _digest("unshard", str(dst), str(optimizer_state)),
+        error,
+        facts,
+        options.exchange_timeout,
+    )
+    agreed = _check_agreement(
+        group_ranks, [_within_group(f, group_ranks) for f in agreement.facts]
+    )
+    fields = _fields(agreed)
+    if not optimizer_state:
+        fields = {k: [f for f in v if f.name == "weight"] for k, v in fields.items()}
+    target = group_ranks[dst]
+    plan = _transfers(
+        plan_layouts(agreed.old_plan, agreed.tables, group_ranks),
+        _whole_on(agreed.tables, target),
+        group_ranks,
+    )
+    modules: Dict[str, nn.Module] = {}
+    state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = {}
+    if me == target:
+        for path, module in sharded_modules(model.module).items():
+            modules[path] = _plain_twin(module, torch.device("meta")).to_empty(
+                device=torch.device("cpu")
+            )
+    report = MoveReport(me, "destination" if me == target else "source")
+    group = open_exchange_group_among(
+        group_ranks, agreement.transaction, options.exchange_timeout
+    )
+    try:
+        _move_tables(
+            plan,
+            fields,
+            sharded_slots(model.module),
+            _plain_slots(modules, fields, state if optimizer_state else None),
+            group_ranks.index(me),
+            group,
+            options,
+            report,
+        )
+        dist.barrier(group=group)
+    except Exception as e:
+        close_exchange_group(group)
+        raise ReshardAbortedError(
+            f"rank {me}: gathering the model failed ({type(e).__name__}: {e})"
+        ) from e
+    close_exchange_group(group)
+    return UnshardedModel(modules, state) if me == target else None
+
+
+def _within_group(facts: _Facts, new_ranks: List[int]) -> _Facts:
+    """Facts of a move onto the model's own group (every rank passes the model)."""
+    facts.new_ranks = new_ranks
+    return facts
+
+
+def shard_from_rank(
+    module: nn.Module,
+    plan: ShardingPlan,
+    env: ShardingEnv,
+    src: int = 0,
+    sharders: Optional[List[Any]] = None,
+    device: Optional[torch.device] = None,
+    options: Optional[ReshardOptions] = None,
+) -> nn.Module:
+    """
+    Shards a model whose weights only one rank holds (e.g. pretrained
+    embeddings loaded there) onto the group, by one exchange: ``src`` passes
+    the model with its weights, every other rank its definition (meta device is
+    enough) and never reads the weights. Every rank of ``env``'s group calls it.
+
+    Args:
+        module (nn.Module): the unsharded model (with weights on ``src``).
+        plan (ShardingPlan): the plan on the group.
+        env (ShardingEnv): the group's environment.
+        src (int): the group-local rank that holds the weights.
+        sharders (Optional[List[ModuleSharder]]): the sharders.
+        device (Optional[torch.device]): the device (default: CPU).
+        options (Optional[ReshardOptions]): in-flight cap and timeout.
+
+    Returns:
+        DistributedModelParallel: the sharded model, every table and dense
+        tensor equal to ``src``'s, fused optimizer state fresh (zero).
+
+    Raises:
+        ReshardError: on every rank, for a bad request (plan, definitions).
+        ReshardAbortedError: on every calling rank when a rank does not join in
+            time or the exchange fails.
+    """
+    options = options or ReshardOptions()
+    device = device or torch.device("cpu")
+    group_ranks = dist.get_process_group_ranks(env.process_group)
+    me = dist.get_rank()
+    source = group_ranks[src] if 0 <= src < len(group_ranks) else -1
+    error: Optional[str] = None
+    defined: Optional[Dict[str, List[TableShape]]] = None
+    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
+    try:
+        if source < 0:
+            raise ReshardError(f"rank {src} is outside the group of {len(group_ranks)}")
+        defined = _defined_tables(module, plan)
+        _validate_new_plan(plan, defined, len(group_ranks), device.type)
+        if me == source:
+            dense = [
+                (n, tuple(t.shape), str(t.dtype))
+                for n, t in _plain_dense(module, plan).items()
+            ]
+    except ReshardError as e:
+        error = str(e)
+    agreement = _agree(
+        group_ranks,
+        _digest("shard_from_rank", _plan_text(plan), str(src)),
+        error,
+        (defined, dense),
+        options.exchange_timeout,
+    )
+    tables = agreement.facts[group_ranks.index(source)][0]
+    for rank, (other, _) in zip(group_ranks, agreement.facts):
+        if other != tables:
+            raise ReshardError(
+                f"the model definition of rank {rank} has the tables {other}, "
+                f"rank {source}'s {tables}"
+            )
+    dense_specs = agreement.facts[group_ranks.index(source)][1]
+    plain = {p: module.get_submodule(p) for p in plan.plan} if me == source else {}
+    source_dense = (
+        {n: t.detach().clone() for n, t in _plain_dense(module, plan).items()}
+        if me == source
+        else None
+    )
+    error = None
+    new_model: Optional[nn.Module] = None
+    try:
+        new_model = _build(module, env, plan, sharders, device)
+    except Exception as e:
+        error = f"sharding the model failed: {type(e).__name__}: {e}"
+    built = _agree(group_ranks, _digest("built"), error, None, options.exchange_timeout)
+    assert new_model is not None
+    fields = {
+        _key(path, name): [
+            Field(
+                "weight",
+                FieldKind.RECT,
+                _plain_weight_dtype(plain, path, name, new_model),
+            )
+        ]
+        for path, shapes in tables.items()
+        for name, _, _ in shapes
+    }
+    transfers = _transfers(
+        _whole_on(tables, source), plan_layouts(plan, tables, group_ranks), group_ranks
+    )
+    report = MoveReport(me, "source" if me == source else "destination")
+    group = open_exchange_group_among(
+        group_ranks, built.transaction, options.exchange_timeout
+    )
+    try:
+        _move_tables(
+            transfers,
+            fields,
+            _plain_slots(plain, fields, None),
+            sharded_slots(new_model.module),
+            group_ranks.index(me),
+            group,
+            options,
+            report,
+        )
+        report.dense_bytes = _broadcast_dense(
+            dense_specs,
+            source_dense,
+            dense_tensors(new_model.module),
+            group_ranks.index(source),
+            group,
+        )
+        dist.barrier(group=group)
+    except Exception as e:
+        close_exchange_group(group)
+        _release(new_model)
+        raise ReshardAbortedError(
+            f"rank {me}: sharding from rank {src} failed ({type(e).__name__}: {e})"
+        ) from e
+    close_exchange_group(group)
+    return new_model
+
+
+def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tensor]:
+    """The parameters and buffers of an unsharded model outside planned modules."""
+    paths = list(plan.plan)
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return dict(sorted((n, t) for n, t in tensors if _is_dense(n, paths)))
+
+
+def _plain_weight_dtype(
+    plain: Mapping[str, nn.Module], path: str, table: str, model: nn.Module
+) -> torch.dtype:
+    """The dtype a table's weight travels in (every rank knows its config)."""
+    module = sharded_modules(model.module)[path]
+    config = adapter_for(module).module._table_name_to_config[table]
+    from torchrec.modules.embedding_configs import data_type_to_dtype
+
+    return data_type_to_dtype(config.data_type)
