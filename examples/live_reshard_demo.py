@@ -40,6 +40,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -48,7 +49,7 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
-from torchrec.distributed.resharding import dry_run, ReshardOptions
+from torchrec.distributed.resharding import dry_run, ModelReshardReport, ReshardOptions
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -232,11 +233,34 @@ def build_model(
         plan=plan,
         sharders=[sharder],
     )
+    for ddp in model.modules():  # the dense part's DistributedDataParallel
+        if isinstance(ddp, DistributedDataParallel):
+            ddp.register_comm_hook(None, all_reduce_each_gradient)
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.SGD(params, lr=0.1),
     )
     return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def all_reduce_each_gradient(
+    state: None, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """
+    A DDP comm hook that all-reduces every gradient of the bucket on its own.
+    With more than 2 ranks the rounding of an all-reduce depends on where a
+    value lies in the buffer, and DDP repacks its buckets after the first
+    steps: without this hook a fresh reference would differ from the running
+    model in the last bits of the dense part, reshard or not.
+
+    Returns:
+        torch.futures.Future[torch.Tensor]: the bucket's mean gradients.
+    """
+    for grad in bucket.gradients():  # views into bucket.buffer()
+        dist.all_reduce(grad)
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer().div_(dist.get_world_size()))
+    return future
 
 
 def everywhere(flag: bool, device: torch.device) -> bool:
@@ -252,7 +276,8 @@ def same_state(a: DistributedModelParallel, b: DistributedModelParallel) -> bool
         assert_state_dicts_equal(a.state_dict(), b.state_dict())
         assert_optimizer_states_equal(a, b)
     except AssertionError as e:
-        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
+        sys.stdout.write(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}\n")
+        sys.stdout.flush()
         return False
     return True
 
@@ -294,14 +319,15 @@ def reshard_live(
         exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
     )
     report = model.reshard(plan_b, options)
-    reports: List[Tuple[int, int, float]] = [(0, 0, 0.0)] * dist.get_world_size()
-    dist.all_gather_object(
-        reports, (report.bytes_sent, report.bytes_received, report.seconds)
-    )
-    moved = sorted({t for tables in report.tables_moved.values() for t in tables})
+    reports: List[ModelReshardReport] = [report] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    moved = sorted({t for r in reports for ts in r.tables_moved.values() for t in ts})
     say(f"phase 4/5 resharded live: tables moved: {', '.join(moved) or 'none'}")
-    for r, (sent, received, seconds) in enumerate(reports):
-        say(f"    rank {r}: sent {sent} B, received {received} B in {seconds:.3f} s")
+    for r in reports:
+        say(
+            f"    rank {r.rank}: sent {r.bytes_sent} B, received {r.bytes_received} B "
+            f"in {r.seconds:.3f} s"
+        )
 
 
 def gather_state(model: DistributedModelParallel) -> GlobalState:
@@ -383,6 +409,7 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
     remaining = batches[args.steps_before :]
     exact = matches_reference(args, sharder, model, live, state, remaining, device)
     say(f"training continues exactly as the reference: {'YES' if exact else 'NO'}")
+    dist.barrier()  # no rank exits (and gets the others stopped) before that line
     return 0 if exact else 1
 
 

@@ -47,6 +47,16 @@ def test_demo_is_exact() -> None:
     assert "training continues exactly as the reference: YES" in proc.stdout, out
 
 
+def test_demo_four_ranks_is_exact() -> None:
+    """On 4 ranks too (the dense part's all-reduce must not depend on how DDP
+    packs its gradient buckets)."""
+    proc = run_demo(*SMALL, "--world-size", "4", "--num-tables", "6")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "tables moved: t0, t1, t2, t5" in proc.stdout, out
+    assert "training continues exactly as the reference: YES" in proc.stdout, out
+
+
 def test_demo_detects_a_difference() -> None:
     """A reference one ulp away is reported as NO with exit status 1."""
     proc = run_demo(*SMALL, "--perturb-reference")
