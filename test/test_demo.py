@@ -21,54 +21,68 @@ SMALL: List[str] = [
 ]
 
 
-def run_demo(*args: str) -> subprocess.CompletedProcess:
+def run_demo(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     """Runs the demo as a user would; fails the test if it hangs."""
     return subprocess.run(
-        [sys.executable, str(DEMO), *SMALL, *args],
+        [sys.executable, str(DEMO), *args],
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
 
 
-def test_demo_mixed_plan_is_exact() -> None:
-    """Several tables change in different ways (incl. a type change and
-    data-parallel) under row-wise Adagrad: training continues exactly."""
-    proc = run_demo(
-        "--plan", "mixed", "--num-tables", "7", "--optimizer", "rowwise_adagrad"
-    )
+def test_demo_is_exact() -> None:
+    """The planner's plan B changes sharding types and ranks of several tables
+    under row-wise Adagrad: the same pipeline trains on exactly as a model
+    sharded directly with plan B."""
+    proc = run_demo(*SMALL, "--num-tables", "5", "--optimizer", "rowwise_adagrad")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    assert "training continues exactly as the reference: YES" in proc.stdout, out
-    assert "tables moved: t0, t1, t2, t3, t4, t5" in proc.stdout, out
     for phase in range(6):
         assert f"phase {phase}/5" in proc.stdout, out
+    assert "would move t0, t1, t2" in proc.stdout, out
+    assert "tables moved: t0, t1, t2" in proc.stdout, out
+    assert "bit-identical" in proc.stdout and "DIFFERENT" not in proc.stdout, out
+    assert "training continues exactly as the reference: YES" in proc.stdout, out
+
+
+def test_demo_four_ranks_is_exact() -> None:
+    """On 4 ranks too (the dense part's all-reduce must not depend on how DDP
+    packs its gradient buckets)."""
+    proc = run_demo(*SMALL, "--world-size", "4", "--num-tables", "6")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "tables moved: t0, t1, t2, t5" in proc.stdout, out
+    assert "training continues exactly as the reference: YES" in proc.stdout, out
 
 
 def test_demo_detects_a_difference() -> None:
     """A reference one ulp away is reported as NO with exit status 1."""
-    proc = run_demo("--perturb-reference")
+    proc = run_demo(*SMALL, "--perturb-reference")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
+    assert "state differs" in proc.stdout, out
     assert "training continues exactly as the reference: NO" in proc.stdout, out
 
 
+def test_demo_refuses_bad_options() -> None:
+    """Anything but a finished comparison exits 2."""
+    proc = run_demo("--num-tables", "2", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--num-tables >= 3" in proc.stderr
+
+
 def test_demo_help() -> None:
-    """--help explains the options and the plans."""
-    proc = subprocess.run(
-        [sys.executable, str(DEMO), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    """--help explains the story, the options, torchrun and the exit status."""
+    proc = run_demo("--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
     for word in (
-        "--plan",
-        "--optimizer",
-        "--kernel",
+        "--backend",
         "--world-size",
-        "tw-to-cw",
-        "mixed",
+        "--optimizer",
+        "--perturb-reference",
+        "torchrun",
+        "Exit status",
     ):
         assert word in proc.stdout
