@@ -30,7 +30,9 @@ between ranks (and between sharding types) inside a running job.
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa
+    dry_run_move,
     move_model,
+    MoveDryRun,
     MovedModel,
     MoveReport,
     shard_from_rank,
@@ -61,6 +63,7 @@ from torchrec.distributed.resharding.transaction import (  # noqa
 __all__ = [
     "DryRunReport",
     "ModelReshardReport",
+    "MoveDryRun",
     "MovedModel",
     "MoveReport",
     "UnshardedModel",
@@ -71,6 +74,7 @@ __all__ = [
     "ReshardReport",
     "StorageMode",
     "dry_run",
+    "dry_run_move",
     "move_model",
     "plan_delta",
     "prepare_model_reshard",

@@ -670,6 +670,163 @@ def _agree(
     return agree_among(union, digest, error, facts, timeout)
 
 
+@dataclass
+class _Request:
+    """One rank's view of a move, agreed on by every participant."""
+
+    union: List[int]
+    me: int
+    agreed: _Agreed
+    digest: int
+    definition: Optional[nn.Module]
+    sharders: Optional[List[Any]]
+    device: torch.device
+
+    @property
+    def role(self) -> str:
+        if self.me in self.agreed.old_ranks:
+            return "stayed" if self.me in self.agreed.new_ranks else "left"
+        return "joined"
+
+    def transfers(self, new_plan: ShardingPlan) -> ReshardPlan:
+        agreed = self.agreed
+        return _transfers(
+            plan_layouts(agreed.old_plan, agreed.tables, agreed.old_ranks),
+            plan_layouts(new_plan, agreed.tables, agreed.new_ranks),
+            self.union,
+        )
+
+
+def _agree_on_move(
+    model: Optional[nn.Module],
+    new_plan: ShardingPlan,
+    new_env: Optional[ShardingEnv],
+    participants: Sequence[int],
+    definition: Optional[nn.Module],
+    sharders: Optional[List[Any]],
+    optimizer: Optional[KeyedOptimizer],
+    device: Optional[torch.device],
+    options: ReshardOptions,
+    kind: str,
+) -> _Request:
+    """Phase 1 of a move: validate on every rank, agree once, check."""
+    union = sorted(int(r) for r in participants)
+    me = dist.get_rank()
+    if device is None:
+        device = model.device if model is not None else torch.device("cpu")
+    facts = _Facts()
+    error: Optional[str] = None
+    try:
+        if me not in union:
+            raise ReshardError(f"rank {me} calls but is not among {union}")
+        if model is not None:
+            facts = _model_facts(model, optimizer)
+        if new_env is not None:
+            facts.new_ranks = dist.get_process_group_ranks(new_env.process_group)
+            if definition is None and model is not None:
+                definition = _unsharded_definition(model)
+            if definition is None:
+                raise ReshardError("a rank that joins must pass the model definition")
+            if sharders is None and model is not None:
+                sharders = list(model._sharder_map.values())
+            if sharders is None:
+                raise ReshardError("a rank that joins must pass the sharders")
+            facts.defined_tables = _defined_tables(definition, new_plan)
+            _validate_new_plan(
+                new_plan, facts.defined_tables, len(facts.new_ranks), device.type
+            )
+    except ReshardError as e:
+        error = str(e)
+    digest = _digest(kind, _plan_text(new_plan), str(union))
+    agreement = _agree(union, digest, error, facts, options.exchange_timeout)
+    agreed = _check_agreement(union, agreement.facts)
+    return _Request(union, me, agreed, digest, definition, sharders, device)
+
+
+def _build_on_new_group(
+    request: _Request,
+    new_env: Optional[ShardingEnv],
+    new_plan: ShardingPlan,
+    options: ReshardOptions,
+) -> Tuple[Optional[nn.Module], Agreement]:
+    """Phase 2: every rank of the new group builds the model; all agree it did."""
+    new_model: Optional[nn.Module] = None
+    error: Optional[str] = None
+    if new_env is not None:
+        try:
+            assert request.definition is not None
+            new_model = _build(
+                request.definition, new_env, new_plan, request.sharders, request.device
+            )
+            dense = [
+                (n, tuple(t.shape), str(t.dtype))
+                for n, t in dense_tensors(new_model.module).items()
+            ]
+            if dense != request.agreed.dense:
+                raise ReshardError(
+                    "the dense part of the new model differs from the old one's"
+                )
+        except Exception as e:
+            error = (
+                f"building the model on the new group failed: {type(e).__name__}: {e}"
+            )
+    try:
+        built = _agree(
+            request.union, request.digest, error, None, options.exchange_timeout
+        )
+    except BaseException:
+        if new_model is not None:
+            _release(new_model)
+        raise
+    return new_model, built
+
+
+def _move_state(
+    request: _Request,
+    model: Optional[nn.Module],
+    new_model: Optional[nn.Module],
+    new_plan: ShardingPlan,
+    optimizer: Optional[KeyedOptimizer],
+    group: dist.ProcessGroup,
+    options: ReshardOptions,
+    report: MoveReport,
+) -> Optional[Dict[str, Any]]:
+    """
+    Phase 3, on the transaction's group over both groups: every table's
+    pieces, then the dense part and the dense optimizer's state from a rank
+    of the old group.
+
+    Returns:
+        Optional[Dict[str, Any]]: the dense optimizer's state (when there is
+        one), on every rank.
+    """
+    agreed, me = request.agreed, request.union.index(request.me)
+    src = request.union.index(agreed.old_ranks[0])
+    old_slots = sharded_slots(model.module) if model is not None else {}
+    new_slots = sharded_slots(new_model.module) if new_model is not None else {}
+    if new_model is not None:
+        for path, module in sharded_modules(new_model.module).items():
+            apply_table_facts(adapter_for(module).lookups(), agreed.table_facts[path])
+    plan = request.transfers(new_plan)
+    report.tables = len(plan.new_layouts)
+    _move_tables(
+        plan, _fields(agreed), old_slots, new_slots, me, group, options, report
+    )
+    del old_slots, new_slots
+    report.dense_bytes = _broadcast_dense(
+        agreed.dense,
+        dense_tensors(model.module) if me == src else None,
+        dense_tensors(new_model.module) if new_model is not None else None,
+        src,
+        group,
+    )
+    state: List[Any] = [None]
+    if agreed.has_optimizer:
+        state = [optimizer.state_dict() if me == src else None]
+        dist.broadcast_object_list(state, group_src=src, group=group)
+    return state[0]
+
+
 def move_model(
     model: Optional[nn.Module],
     new_plan: ShardingPlan,
@@ -723,108 +880,35 @@ def move_model(
     """
     start = time.perf_counter()
     options = options or ReshardOptions()
-    union = sorted(int(r) for r in participants)
-    me = dist.get_rank()
-    if device is None:
-        device = model.device if model is not None else torch.device("cpu")
-    facts = _Facts()
-    error: Optional[str] = None
-    try:
-        if me not in union:
-            raise ReshardError(f"rank {me} calls but is not among {union}")
-        if model is not None:
-            facts = _model_facts(model, optimizer)
-        if new_env is not None:
-            facts.new_ranks = dist.get_process_group_ranks(new_env.process_group)
-            if definition is None and model is not None:
-                definition = _unsharded_definition(model)
-            if definition is None:
-                raise ReshardError("a rank that joins must pass the model definition")
-            if sharders is None and model is not None:
-                sharders = list(model._sharder_map.values())
-            if sharders is None:
-                raise ReshardError("a rank that joins must pass the sharders")
-            facts.defined_tables = _defined_tables(definition, new_plan)
-            _validate_new_plan(
-                new_plan, facts.defined_tables, len(facts.new_ranks), device.type
-            )
-    except ReshardError as e:
-        error = str(e)
-    digest = _digest(_plan_text(new_plan), str(union))
-    agreement = _agree(union, digest, error, facts, options.exchange_timeout)
-    agreed = _check_agreement(union, agreement.facts)
-
-    role = (
-        "stayed"
-        if me in agreed.old_ranks and me in agreed.new_ranks
-        else ("left" if me in agreed.old_ranks else "joined")
+    request = _agree_on_move(
+        model,
+        new_plan,
+        new_env,
+        participants,
+        definition,
+        sharders,
+        optimizer,
+        device,
+        options,
+        "move",
     )
-    report = MoveReport(me, role)
-    new_model: Optional[nn.Module] = None
-    error = None
-    if new_env is not None:
-        try:
-            assert definition is not None
-            new_model = _build(definition, new_env, new_plan, sharders, device)
-            names = [
-                (n, tuple(t.shape), str(t.dtype))
-                for n, t in dense_tensors(new_model.module).items()
-            ]
-            if names != agreed.dense:
-                raise ReshardError(
-                    "the dense part of the new model differs from the old one's"
-                )
-        except Exception as e:
-            error = (
-                f"building the model on the new group failed: {type(e).__name__}: {e}"
-            )
-    try:
-        built = _agree(union, digest, error, None, options.exchange_timeout)
-    except BaseException:
-        if new_model is not None:
-            _release(new_model)
-        raise
-
-    old_layouts = plan_layouts(agreed.old_plan, agreed.tables, agreed.old_ranks)
-    new_layouts = plan_layouts(new_plan, agreed.tables, agreed.new_ranks)
-    plan = _transfers(old_layouts, new_layouts, union)
-    fields = _fields(agreed)
-    report.tables = len(new_layouts)
-    src = union.index(agreed.old_ranks[0])
-    state: List[Any] = [None]
+    report = MoveReport(request.me, request.role)
+    new_model, built = _build_on_new_group(request, new_env, new_plan, options)
     group = open_exchange_group_among(
-        union, built.transaction, options.exchange_timeout
+        request.union, built.transaction, options.exchange_timeout
     )
     try:
-        old_slots = sharded_slots(model.module) if model is not None else {}
-        new_slots = sharded_slots(new_model.module) if new_model is not None else {}
-        if new_model is not None:
-            for path, module in sharded_modules(new_model.module).items():
-                apply_table_facts(
-                    adapter_for(module).lookups(), agreed.table_facts[path]
-                )
-        _move_tables(
-            plan, fields, old_slots, new_slots, union.index(me), group, options, report
+        state = _move_state(
+            request, model, new_model, new_plan, optimizer, group, options, report
         )
-        report.dense_bytes = _broadcast_dense(
-            agreed.dense,
-            dense_tensors(model.module) if union.index(me) == src else None,
-            dense_tensors(new_model.module) if new_model is not None else None,
-            src,
-            group,
-        )
-        if agreed.has_optimizer:
-            state = [optimizer.state_dict() if union.index(me) == src else None]
-            dist.broadcast_object_list(state, group_src=src, group=group)
-        del old_slots, new_slots
         dist.barrier(group=group)
     except Exception as e:
         close_exchange_group(group)
         if new_model is not None:
             _release(new_model)
         raise ReshardAbortedError(
-            f"rank {me}: moving the model failed ({type(e).__name__}: {e}); the "
-            "model on the old group is unchanged"
+            f"rank {request.me}: moving the model failed ({type(e).__name__}: "
+            f"{e}); the model on the old group is unchanged"
         ) from e
     close_exchange_group(group)
 
@@ -833,16 +917,16 @@ def move_model(
     new_optimizer: Optional[KeyedOptimizer] = None
     if new_model is not None and make_optimizer is not None:
         new_optimizer = make_optimizer(new_model)
-        if state[0] is not None:
+        if state is not None:
             # a KeyedOptimizer loads state only into initialised state
             new_optimizer.init_state()
-            new_optimizer.load_state_dict(state[0])
+            new_optimizer.load_state_dict(state)
     report.seconds = time.perf_counter() - start
     logger.info(
         "model move rank %d (%s): %d tables, sent %d B, received %d B, copied "
         "locally %d B, dense %d B in %.3f s",
-        me,
-        role,
+        request.me,
+        report.role,
         report.tables,
         report.bytes_sent,
         report.bytes_received,
@@ -851,6 +935,83 @@ def move_model(
         report.seconds,
     )
     return MovedModel(new_model, new_optimizer, report)
+
+
+@dataclass
+class MoveDryRun:
+    """
+    What a move between groups would do, computed without building or moving
+    anything.
+
+    Args:
+        tables_moved (Dict[str, List[str]]): module path -> tables with a
+            piece that changes owner.
+        bytes_sent (Dict[int, int]): global rank -> table bytes it would send.
+        bytes_received (Dict[int, int]): global rank -> table bytes it would
+            receive.
+        dense_bytes (int): bytes of the dense part each receiver gets.
+    """
+
+    tables_moved: Dict[str, List[str]]
+    bytes_sent: Dict[int, int]
+    bytes_received: Dict[int, int]
+    dense_bytes: int
+
+
+def dry_run_move(
+    model: Optional[nn.Module],
+    new_plan: ShardingPlan,
+    new_env: Optional[ShardingEnv],
+    participants: Sequence[int],
+    definition: Optional[nn.Module] = None,
+    sharders: Optional[List[Any]] = None,
+    options: Optional[ReshardOptions] = None,
+) -> MoveDryRun:
+    """
+    The validation and agreement of :func:`move_model` (same arguments, every
+    participant calls it), and exactly the bytes it would move, without
+    building or moving anything.
+
+    Returns:
+        MoveDryRun: the tables and bytes, the same on every rank.
+
+    Raises:
+        ReshardError: as :func:`move_model` would, before anything moves.
+        ReshardAbortedError: when a rank does not join in time.
+    """
+    options = options or ReshardOptions()
+    request = _agree_on_move(
+        model,
+        new_plan,
+        new_env,
+        participants,
+        definition,
+        sharders,
+        None,
+        None,
+        options,
+        "dry_run_move",
+    )
+    plan = request.transfers(new_plan)
+    fields = _fields(request.agreed)
+    union = request.union
+    sent = {r: 0 for r in union}
+    received = {r: 0 for r in union}
+    moved: Dict[str, List[str]] = {}
+    for transfer in plan.transfers:
+        if transfer.is_local:
+            continue
+        nbytes = sum(f.nbytes(transfer) for f in fields[transfer.table])
+        sent[union[transfer.src_rank]] += nbytes
+        received[union[transfer.dst_rank]] += nbytes
+        path, _, table = transfer.table.rpartition(":")
+        if table not in moved.setdefault(path, []):
+            moved[path].append(table)
+    dense = sum(
+        int(torch.Size(shape).numel()) * getattr(torch, dtype.split(".")[-1]).itemsize
+        for _, shape, dtype in request.agreed.dense
+    )
+    return MoveDryRun(moved, sent, received, dense)
 
 
 def unshard_model(

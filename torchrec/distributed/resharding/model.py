@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Model-level live resharding: move a ``DistributedModelParallel`` model to a
 whole new ``ShardingPlan`` (as a planner produces it) as one transaction, and

@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 State-dict level resharding: move the weights of the changed tables of a
 sharded module's state dict to their new placements.
@@ -45,10 +47,18 @@ def _identity(name: str) -> str:
     return name
 
 
-def _world_size(value: StateValue, default: int) -> int:
-    if isinstance(value, ShardedTensor):
-        return dist.get_world_size(value._process_group)
-    return default
+def _world_size(state_dict: Mapping[str, StateValue]) -> int:
+    """
+    The size of the module's process group, read from any sharded table of
+    its state dict (replicated tables do not say).
+    """
+    for value in state_dict.values():
+        if isinstance(value, ShardedTensor):
+            return dist.get_world_size(value._process_group)
+    raise ReshardError(
+        "the state dict has no sharded table to tell the process group by: "
+        "reshard the module itself (update_shards) instead"
+    )
 
 
 def _old_layout(value: StateValue, world_size: int) -> TableLayout:
@@ -174,7 +184,7 @@ def _take(
 ) -> Tuple[torch.Tensor, int]:
     if output_tensor.dtype == dtype:
         return output_tensor[offset : offset + numel], offset + numel
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     return output_tensor[offset : offset + nbytes].view(dtype), offset + nbytes
 
 
@@ -210,7 +220,7 @@ def update_state_dict_post_resharding(
     )
     if any_value is None:
         return state_dict
-    world_size = _world_size(any_value, curr_rank + 1)
+    world_size = _world_size(state_dict)
     plan = _weight_plan(state_dict, new_sharding_params, extend_shard_name, world_size)
     receives = plan.receives(curr_rank)
     if [t.table for t in receives] != list(shard_names_by_src_rank):

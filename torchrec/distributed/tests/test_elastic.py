@@ -33,6 +33,7 @@ from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.elastic import (
+    dry_run_move,
     move_model,
     shard_from_rank,
     unshard_model,
@@ -246,13 +247,22 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 state = _global_state(model, optimizer, groups[old])
             state = _share(state, old[0])
             refs = _kernel_refs(model) if model is not None else []
+            participants = sorted(set(old) | set(new))
+            dry = dry_run_move(
+                model if rank in old else None,
+                plan,
+                envs[new],
+                participants=participants,
+                definition=_definition() if rank not in old else None,
+                sharders=_sharders() if rank not in old else None,
+            )
             gc.disable()
             try:
                 moved = move_model(
                     model if rank in old else None,
                     plan,
                     envs[new],
-                    participants=sorted(set(old) | set(new)),
+                    participants=participants,
                     definition=_definition() if rank not in old else None,
                     sharders=_sharders() if rank not in old else None,
                     optimizer=optimizer if rank in old else None,
@@ -263,6 +273,9 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
             finally:
                 gc.enable()
             assert moved.left == (rank not in new)
+            # the dry run said exactly what would move
+            assert moved.report.bytes_sent == dry.bytes_sent[rank], (dry, moved)
+            assert moved.report.bytes_received == dry.bytes_received[rank], dry
             model, optimizer = moved.model, moved.optimizer
             if rank in new:
                 env = envs[new]
