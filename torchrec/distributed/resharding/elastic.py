@@ -86,6 +86,7 @@ from torchrec.distributed.resharding.plan import (
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.transaction import ReshardOptions
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -1047,6 +1048,7 @@ def unshard_model(
     if not 0 <= dst < len(group_ranks):
         error = f"rank {dst} is outside the model's group of {len(group_ranks)}"
     facts = _model_facts(model, None)
+    facts.new_ranks = group_ranks  # gathered within the model's own group
     agreement = _agree(
         group_ranks,
         _digest("unshard", str(dst), str(optimizer_state)),
@@ -1054,9 +1056,7 @@ def unshard_model(
         facts,
         options.exchange_timeout,
     )
-    agreed = _check_agreement(
-        group_ranks, [_within_group(f, group_ranks) for f in agreement.facts]
-    )
+    agreed = _check_agreement(group_ranks, agreement.facts)
     fields = _fields(agreed)
     if not optimizer_state:
         fields = {k: [f for f in v if f.name == "weight"] for k, v in fields.items()}
@@ -1096,12 +1096,6 @@ def unshard_model(
         ) from e
     close_exchange_group(group)
     return UnshardedModel(modules, state) if me == target else None
-
-
-def _within_group(facts: _Facts, new_ranks: List[int]) -> _Facts:
-    """Facts of a move onto the model's own group (every rank passes the model)."""
-    facts.new_ranks = new_ranks
-    return facts
 
 
 def shard_from_rank(
@@ -1188,11 +1182,7 @@ def shard_from_rank(
     assert new_model is not None
     fields = {
         _key(path, name): [
-            Field(
-                "weight",
-                FieldKind.RECT,
-                _plain_weight_dtype(plain, path, name, new_model),
-            )
+            Field("weight", FieldKind.RECT, _weight_dtype(new_model, path, name))
         ]
         for path, shapes in tables.items()
         for name, _, _ in shapes
@@ -1240,12 +1230,8 @@ def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tenso
     return dict(sorted((n, t) for n, t in tensors if _is_dense(n, paths)))
 
 
-def _plain_weight_dtype(
-    plain: Mapping[str, nn.Module], path: str, table: str, model: nn.Module
-) -> torch.dtype:
+def _weight_dtype(model: nn.Module, path: str, table: str) -> torch.dtype:
     """The dtype a table's weight travels in (every rank knows its config)."""
-    module = sharded_modules(model.module)[path]
-    config = adapter_for(module).module._table_name_to_config[table]
-    from torchrec.modules.embedding_configs import data_type_to_dtype
-
+    adapter = adapter_for(sharded_modules(model.module)[path])
+    config = adapter.module._table_name_to_config[table]
     return data_type_to_dtype(config.data_type)
