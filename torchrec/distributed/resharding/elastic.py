@@ -85,6 +85,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.transaction import ReshardOptions
+from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import (
@@ -392,6 +393,7 @@ class _Facts:
     table_facts: Optional[Dict[str, TableFacts]] = None
     dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
     has_optimizer: bool = False
+    pipelined: Optional[List[str]] = None
 
 
 def _plan_text(plan: ShardingPlan) -> str:
@@ -423,7 +425,16 @@ def _model_facts(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> _Fact
         },
         dense=[(n, tuple(t.shape), str(t.dtype)) for n, t in dense.items()],
         has_optimizer=optimizer is not None,
+        pipelined=[path for path, m in modules.items() if _attached_to_pipeline(m)],
     )
+
+
+def _attached_to_pipeline(module: nn.Module) -> bool:
+    """
+    Whether a train pipeline has replaced the module's forward: its batches in
+    flight ran the input dist over the old group, which a move replaces.
+    """
+    return isinstance(module.__dict__.get("forward"), BaseForward)
 
 
 def _defined_tables(
@@ -515,6 +526,15 @@ def _check_agreement(union: List[int], all_facts: Sequence[_Facts]) -> _Agreed:
             raise ReshardError(f"rank {rank} is in the old group but passed no model")
         if rank in new_ranks and facts.new_ranks is None:
             raise ReshardError(f"rank {rank} is in the new group but passed no env")
+    for rank, facts in zip(union, all_facts):
+        if facts.pipelined:
+            raise ReshardError(
+                f"rank {rank}: modules {facts.pipelined} are attached to a train "
+                "pipeline, whose batches in flight went through the old group's "
+                "input dist; call pipeline.detach() before the move (run the "
+                "pipeline dry first to train those batches) and build a pipeline "
+                "on the moved model"
+            )
     model_tables = _unique(
         [f.tables for f, r in zip(all_facts, union) if r in old_ranks], "models"
     )

@@ -134,17 +134,21 @@ def _model(
         _dlrm(0), env=env, device=device, plan=plan, sharders=[sharder]
     )
     model.load_state_dict(_dlrm(0).state_dict())
-    dense = KeyedOptimizerWrapper(
+    dense = _dense_optimizer(model)
+    return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def _dense_optimizer(model: torch.nn.Module) -> KeyedOptimizerWrapper:
+    """SGD for the parameters the fused optimizer does not update."""
+    return KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.SGD(params, lr=0.1),
     )
-    return model, CombinedOptimizer([model.fused_optimizer, dense])
 
 
 def _state(model: DistributedModelParallel, pg: Any) -> Tuple[Any, Any]:
     shapes = {
-        f"{EBC_PATH}.embedding_bags.t{i}.weight": (ROWS, DIM)
-        for i in range(NUM_TABLES)
+        f"{EBC_PATH}.embedding_bags.t{i}.weight": (ROWS, DIM) for i in range(NUM_TABLES)
     }
     return global_weights(model, pg), global_optimizer_state(model, pg, shapes)
 
@@ -192,9 +196,7 @@ def _run_pipeline(
                     pipeline.attach(model)
                 reference, ref_optimizer = _model(env, device, plan)
                 load_global_state(reference, weights, opt_state)
-            losses = [
-                pipeline.progress(it)[0] for _ in range(STEPS_PER_SEGMENT)
-            ]
+            losses = [pipeline.progress(it)[0] for _ in range(STEPS_PER_SEGMENT)]
             if segment > 0:
                 expected = _plain_steps(
                     reference,
