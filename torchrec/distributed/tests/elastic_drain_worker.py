@@ -781,7 +781,9 @@ def job_failures(
     """
     failures = []
     for run in runs:
-        if run.returncode != 0:
+        if run.returncode is None:
+            failures.append(f"node {run.node}'s agent was stopped at the deadline")
+        elif run.returncode != 0:
             failures.append(f"node {run.node}'s agent exited with {run.returncode}")
     for rank in range(WORLD):
         result = results.get(rank)
