@@ -30,7 +30,9 @@ The scenario of ``test_elastic_two_nodes.py`` and of
      global state gathered before the reshard, and train the same steps;
   3. host 1 is drained: ``move_model`` moves the model onto ranks [0, 1]
      (host 0) under plan C; ranks 2 and 3 hand their shards over, find
-     their model released, and exit with code 0;
+     their model released, and exit with code 0 (first, a drain onto host
+     0's group without its node groups, which its table-row-wise and grid
+     tables need, is refused on every rank and loses nothing);
   4. host 0 trains on, on its own group only (no collective of the world
      after the drain: the world's other ranks are gone), exactly like a
      model built directly on [0, 1] with plan C from the state gathered
@@ -72,6 +74,7 @@ from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.comm import new_intra_and_cross_node_pgs
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.resharding.elastic import move_model
 from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.test_utils.reshard_utils import (
@@ -281,6 +284,15 @@ def global_state(
     return weights, fused, optimizer.state_dict()
 
 
+def assert_global_states_equal(a: GlobalState, b: GlobalState) -> None:
+    """Two gathered states are equal, bit for bit."""
+    for x, y in zip(a[:2], b[:2]):
+        assert sorted(x) == sorted(y), (sorted(x), sorted(y))
+        for key, value in x.items():
+            assert value.dtype == y[key].dtype and torch.equal(value, y[key]), key
+    assert_state_dicts_equal(a[2]["state"], b[2]["state"])
+
+
 def _warm_up(model: nn.Module, index: int) -> None:
     """
     Two forward/backward passes on other batches, so that the model's DDP
@@ -463,7 +475,27 @@ def _scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
         f"phase 3: drain host 1: move the model from ranks {HOST0 + HOST1} onto "
         f"{HOST0} under plan {describe('C')}"
     )
-    state = global_state(model, optimizer, world)  # the last world collective
+    state = global_state(model, optimizer, world)
+    # a request TorchRec cannot build (table-row-wise and grid tables on host
+    # 0's group without its node groups) is refused on every rank, nothing lost
+    bare_env = ShardingEnv.from_process_group(host0_pg) if rank in HOST0 else None
+    try:
+        move_model(
+            model,
+            plan("C"),
+            bare_env,
+            participants=HOST0 + HOST1,
+            optimizer=optimizer,
+            make_optimizer=make_optimizer,
+        )
+    except ReshardError as e:
+        assert "new_intra_and_cross_node_pgs" in str(e), e
+    else:
+        raise AssertionError("a move onto a group without node groups went through")
+    unchanged = global_state(model, optimizer, world)  # the last world collective
+    assert_global_states_equal(state, unchanged)
+    checks.append("drain without node groups: refused on every rank, nothing lost")
+    say("  (a drain onto host 0 without its node groups was refused, nothing lost)")
     refs = _kernel_refs(model)
     gc.disable()  # the old model must be released at once, not by a collection
     try:

@@ -12,9 +12,10 @@ Across hosts: two torchrun agents on this machine as two nodes
 (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on 127.0.0.1), so that
 TorchRec sees 2 hosts x 2 local ranks, run the scenario of
 ``elastic_drain_worker``: table-row-wise and grid tables reshard across the
-hosts exactly; host 1 is drained (its ranks hand their shards to host 0's
-ranks, find their model released and exit with code 0) while host 0 trains on
-exactly like a model built directly on its ranks, and reshards once more.
+hosts exactly; a drain the sharding cannot build is refused on every rank;
+host 1 is drained (its ranks hand their shards to host 0's ranks, find their
+model released and exit with code 0) while host 0 trains on exactly like a
+model built directly on its ranks, and reshards once more.
 
 Each worker writes what it checked into a result file; the test asserts that
 both agents and all four workers exit with code 0 and that each rank reports
@@ -43,12 +44,13 @@ WORKER_DEADLINE_S = 240.0  # a worker still running then exits with code 3
 HOST0_CHECKS: List[str] = [
     "reshard A->B on 2 hosts: state equals plan B sharded directly",
     "reshard A->B on 2 hosts: trains like plan B sharded directly",
+    "drain without node groups: refused on every rank, nothing lost",
     "drain: the old model was released",
     "drain: state equals plan C built directly on host 0",
     f"drain: host 0 trains {STEPS} steps like plan C built directly",
     "host 0 reshard C->D: trains like plan D built directly",
 ]
-HOST1_CHECKS: List[str] = HOST0_CHECKS[:3]
+HOST1_CHECKS: List[str] = HOST0_CHECKS[:4]
 
 
 def _tail(path: str, lines: int = 60) -> str:
