@@ -35,12 +35,23 @@ the group) are the same move between a sharded model and plain modules on one
 rank.
 """
 
+import contextlib
 import copy
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
@@ -662,6 +673,35 @@ class _NoInit(KeptStorage):
         super().__init__([], set(), reuse=False)
 
 
+def _no_init(weight: torch.Tensor) -> None:
+    """A table ``init_fn`` that leaves the weight as it is."""
+
+
+@contextlib.contextmanager
+def _tables_not_initialised(definition: nn.Module) -> Iterator[None]:
+    """
+    While a model is built from ``definition``, its tables' ``init_fn`` do
+    nothing, and are put back afterwards. A sharded module's
+    ``reset_parameters`` (called once it is built) initialises every local
+    shard with them; the kernel build hooks do not reach it, and every byte is
+    moved in afterwards.
+    """
+    configs: List[Any] = []
+    for module in definition.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            configs += module.embedding_bag_configs()
+        elif isinstance(module, EmbeddingCollection):
+            configs += module.embedding_configs()
+    saved = [(config, config.init_fn) for config in configs]
+    try:
+        for config in configs:
+            config.init_fn = _no_init
+        yield
+    finally:
+        for config, init_fn in saved:
+            config.init_fn = init_fn
+
+
 def _build(
     definition: nn.Module,
     env: ShardingEnv,
@@ -671,7 +711,7 @@ def _build(
 ) -> nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    with kernel_build_hooks(_NoInit()):
+    with kernel_build_hooks(_NoInit()), _tables_not_initialised(definition):
         return DistributedModelParallel(
             definition,
             env=env,

@@ -210,6 +210,10 @@ def _kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
     ]
 
 
+def _table_configs(model: nn.Module) -> List[Any]:
+    return model.ebc.embedding_bag_configs() + model.ec.embedding_configs()
+
+
 def _run_moves(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, local_size=2) as (world, device):
         groups = {tuple(g): dist.new_group(g) for g in GROUPS}  # every rank, in order
@@ -248,6 +252,12 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
             state = _share(state, old[0])
             refs = _kernel_refs(model) if model is not None else []
             participants = sorted(set(old) | set(new))
+            definition, configs, inits = None, [], []
+            if rank not in old:
+                definition = _definition()
+                configs = _table_configs(definition)
+                for config in configs:
+                    config.init_fn = lambda w, n=config.name, out=inits: out.append(n)
             dry = dry_run_move(
                 model if rank in old else None,
                 plan,
@@ -263,7 +273,7 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                     plan,
                     envs[new],
                     participants=participants,
-                    definition=_definition() if rank not in old else None,
+                    definition=definition,
                     sharders=_sharders() if rank not in old else None,
                     optimizer=optimizer if rank in old else None,
                     make_optimizer=_make_optimizer,
@@ -276,6 +286,12 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
             # the dry run said exactly what would move
             assert moved.report.bytes_sent == dry.bytes_sent[rank], (dry, moved)
             assert moved.report.bytes_received == dry.bytes_received[rank], dry
+            # every byte is moved in: no table is initialised for nothing, and
+            # the definition's init functions are back afterwards
+            assert inits == [], inits
+            for config in configs:
+                config.init_fn(torch.empty(0))
+            assert len(inits) == len(configs), inits
             model, optimizer = moved.model, moved.optimizer
             if rank in new:
                 env = envs[new]
