@@ -155,6 +155,18 @@ def test_unlisted_overlay_file_is_reported(repo_copy: Path) -> None:
     assert proc.returncode == 1 and rel in proc.stderr, proc.stderr
 
 
+def test_tool_caches_are_not_overlay_files(repo_copy: Path) -> None:
+    """Caches that linters and test runners leave under torchrec/ are never
+    overlay files: not listed, not reported, not installed."""
+    package = repo_copy / "torchrec" / "distributed" / "resharding"
+    for cache in (".ruff_cache", ".mypy_cache", ".pytest_cache", ".hypothesis"):
+        (package / cache / "sub").mkdir(parents=True)
+        (package / cache / "sub" / "data.py").write_text("# cache\n")
+    overlay = [rel.as_posix() for rel in forklib.overlay_files(repo_copy)]
+    assert not any("_cache" in rel or ".hypothesis" in rel for rel in overlay)
+    assert forklib.stack_problems(repo_copy) == []
+
+
 def test_overlay_file_listed_twice_or_missing_is_reported(repo_copy: Path) -> None:
     entries = forklib.load_stack(repo_copy)
     rel = entries[-1].files[0]
