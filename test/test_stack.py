@@ -195,7 +195,9 @@ def test_header_only_and_plain_lines_must_match_the_patch(repo_copy: Path) -> No
 
 
 def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> None:
-    entry = next(e for e in forklib.load_stack(repo_copy) if e.overlay_diff)
+    # The last entry with an overlay diff: no later diff changes its files,
+    # so the final file's lines are that diff's post-image.
+    entry = [e for e in forklib.load_stack(repo_copy) if e.overlay_diff][-1]
     target = forklib.diff_changes(entry.overlay_diff)[0].path
     # an edit of the final file right where the diff has its context
     path = repo_copy / target
