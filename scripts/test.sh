@@ -7,4 +7,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
 # test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
 exec "$VENV/bin/pytest" -p no:cacheprovider "$REPO/test" --pyargs \
-    torchrec.distributed.tests torchrec.distributed.resharding.tests "$@"
+    torchrec.distributed.tests torchrec.distributed.resharding.tests \
+    torchrec.optim.tests "$@"

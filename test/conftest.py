@@ -28,7 +28,9 @@ BUILD_INPUTS = (
 
 def copy_repo(dest: Path) -> Path:
     """Copy the build inputs of this checkout into ``dest``."""
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
+    ignore = shutil.ignore_patterns(
+        "__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache", ".mypy_cache"
+    )
     dest.mkdir(parents=True, exist_ok=True)
     for name in BUILD_INPUTS:
         src = REPO / name

@@ -155,6 +155,18 @@ def test_unlisted_overlay_file_is_reported(repo_copy: Path) -> None:
     assert proc.returncode == 1 and rel in proc.stderr, proc.stderr
 
 
+def test_tool_caches_are_not_overlay_files(repo_copy: Path) -> None:
+    """Caches that linters and test runners leave under torchrec/ are never
+    overlay files: not listed, not reported, not installed."""
+    package = repo_copy / "torchrec" / "distributed" / "resharding"
+    for cache in (".ruff_cache", ".mypy_cache", ".pytest_cache", ".hypothesis"):
+        (package / cache / "sub").mkdir(parents=True)
+        (package / cache / "sub" / "data.py").write_text("# cache\n")
+    overlay = [rel.as_posix() for rel in forklib.overlay_files(repo_copy)]
+    assert not any("_cache" in rel or ".hypothesis" in rel for rel in overlay)
+    assert forklib.stack_problems(repo_copy) == []
+
+
 def test_overlay_file_listed_twice_or_missing_is_reported(repo_copy: Path) -> None:
     entries = forklib.load_stack(repo_copy)
     rel = entries[-1].files[0]
@@ -183,7 +195,9 @@ def test_header_only_and_plain_lines_must_match_the_patch(repo_copy: Path) -> No
 
 
 def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> None:
-    entry = next(e for e in forklib.load_stack(repo_copy) if e.overlay_diff)
+    # The last entry with an overlay diff: no later diff changes its files,
+    # so the final file's lines are that diff's post-image.
+    entry = [e for e in forklib.load_stack(repo_copy) if e.overlay_diff][-1]
     target = forklib.diff_changes(entry.overlay_diff)[0].path
     # an edit of the final file right where the diff has its context
     path = repo_copy / target

@@ -36,7 +36,10 @@ REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PACKAGE: str = "torchrec"
 WHEEL_ENV: str = "TORCHREC_FORK_BASE_WHEEL"
 CACHE_ENV: str = "TORCHREC_FORK_CACHE_DIR"
-IGNORED_PARTS: frozenset = frozenset({"__pycache__", ".pytest_cache", ".hypothesis"})
+# Tool caches that may appear under torchrec/: never part of the overlay.
+IGNORED_PARTS: frozenset = frozenset(
+    {"__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".mypy_cache"}
+)
 IGNORED_SUFFIXES: tuple = (".pyc", ".pyo")
 # Identity used for the throw-away commits the tools make in working trees.
 GIT_IDENTITY: Dict[str, str] = {
@@ -981,6 +984,8 @@ TREE_EXCLUDES: List[str] = [
     "*.py[cod]",
     ".pytest_cache/",
     ".hypothesis/",
+    ".ruff_cache/",
+    ".mypy_cache/",
 ]
 
 

@@ -9,12 +9,10 @@
 Test helpers for live resharding: plans from compact specs, a global view of a
 sharded EBC's weights and fused optimizer state (gathered with collectives,
 independent of the resharding code), loading that view into a module sharded
-directly with another plan, and exact comparisons.
+directly with another plan, and exact comparisons. The process group, the
+test base and ``global_weights`` come from ``multi_process_utils``.
 """
 
-import contextlib
-import os
-from datetime import timedelta
 from typing import (
     Any,
     Callable,
@@ -50,7 +48,12 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+from torchrec.distributed.test_utils.multi_process_utils import (  # noqa: F401
+    global_weights,
+    local_pieces,
+    MultiRankTestBase,
+    process_group,
+)
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -72,47 +75,6 @@ OPTIMIZERS: Dict[str, EmbOptimType] = {
     "adagrad": EmbOptimType.EXACT_ADAGRAD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
 }
-
-
-@contextlib.contextmanager
-def process_group(
-    rank: int,
-    world_size: int,
-    port: str,
-    local_size: Optional[int] = None,
-    timeout_s: float = 120.0,
-) -> Iterator[Tuple[dist.ProcessGroup, torch.device]]:
-    """
-    A process group with a timeout, so that no test can hang forever. NCCL
-    when there are enough GPUs, gloo on CPU otherwise.
-
-    Args:
-        rank (int): this rank.
-        world_size (int): number of ranks.
-        port (str): master port.
-        local_size (Optional[int]): ranks per host (for TWRW and grid).
-        timeout_s (float): timeout of every collective.
-
-    Returns:
-        Iterator[Tuple[dist.ProcessGroup, torch.device]]: the group and device.
-    """
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = port
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_size or world_size)
-    os.environ["LOCAL_RANK"] = str(rank % (local_size or world_size))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    backend = "nccl" if use_cuda else "gloo"
-    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
-    )
-    try:
-        yield dist.group.WORLD, device
-    finally:
-        dist.destroy_process_group()
 
 
 def make_ebc(
@@ -298,54 +260,6 @@ def make_batches(
     return batches
 
 
-def _local_pieces(value: Any) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
-    if isinstance(value, ShardedTensor):
-        return [
-            (tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()
-        ]
-    if isinstance(value, DTensor):
-        wrapper = value._local_tensor
-        return [
-            (tuple(offset), tensor)
-            for tensor, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
-        ]
-    return []
-
-
-def global_weights(
-    module: ShardedEmbeddingBagCollection, pg: dist.ProcessGroup
-) -> Dict[str, torch.Tensor]:
-    """
-    Every table's full weight, assembled from every rank's local shards with an
-    all-reduce (each element has one owner; data-parallel tables are local).
-
-    Args:
-        module (ShardedEmbeddingBagCollection): the module.
-        pg (dist.ProcessGroup): its process group.
-
-    Returns:
-        Dict[str, torch.Tensor]: state-dict key -> full tensor, in the table dtype.
-    """
-    out: Dict[str, torch.Tensor] = {}
-    for key, value in module.state_dict().items():
-        if isinstance(value, (ShardedTensor, DTensor)):
-            full = torch.zeros(value.size(), dtype=torch.float64)
-            for (row, col), tensor in _local_pieces(value):
-                full[row : row + tensor.shape[0], col : col + tensor.shape[1]] = (
-                    tensor.to("cpu", torch.float64)
-                )
-            dist.all_reduce(full, group=pg)
-            dtype = (
-                value.metadata().tensor_properties.dtype
-                if isinstance(value, ShardedTensor)
-                else value.dtype
-            )
-            out[key] = full.to(dtype)
-        else:
-            out[key] = value.detach().to("cpu").clone()
-    return out
-
-
 def _optimizer_shard_pairs(
     module: ShardedEmbeddingBagCollection,
 ) -> Iterator[Tuple[str, str, Tuple[int, int, int, int], torch.Tensor]]:
@@ -448,7 +362,7 @@ def assert_state_dicts_equal(a: Mapping[str, Any], b: Mapping[str, Any]) -> None
                 assert torch.equal(s.tensor, t.tensor), key
         elif isinstance(x, DTensor):
             assert x.size() == y.size() and x.placements == y.placements, key
-            px, py = _local_pieces(x), _local_pieces(y)
+            px, py = local_pieces(x), local_pieces(y)
             assert [p[0] for p in px] == [p[0] for p in py], key
             for (_, s), (_, t) in zip(px, py):
                 assert s.dtype == t.dtype and torch.equal(s, t), key
@@ -534,20 +448,8 @@ def assert_same_training(
     assert_optimizer_states_equal(m1, m2)
 
 
-class ReshardTestBase(MultiProcessTestBase):
-    """MultiProcessTestBase whose ranks get the test's master port explicitly
-    (forkserver children do not see later changes of the parent's env)."""
-
-    def run_ranks(
-        self, callable: Callable[..., None], world_size: int = 2, **kwargs: Any
-    ) -> None:
-        """Runs ``callable(rank=, world_size=, port=, **kwargs)`` on every rank."""
-        self._run_multi_process_test(
-            callable=callable,
-            world_size=world_size,
-            port=os.environ["MASTER_PORT"],
-            **kwargs,
-        )
+class ReshardTestBase(MultiRankTestBase):
+    """The base of the multi-process resharding tests (see MultiRankTestBase)."""
 
 
 def multi_process_settings(max_examples: int) -> Callable[[Any], Any]:

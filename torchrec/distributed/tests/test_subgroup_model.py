@@ -26,7 +26,7 @@ group and on a group created afterwards (``dist.new_group`` must stay in step
 on every rank: a group created on some ranks only makes this hang).
 
 Hosts: the world is 2 hosts x 2 ranks (LOCAL_WORLD_SIZE=2), or 4 hosts x 1
-rank. A host of a sub-group is a block of ``getget_local_size(group size)``
+rank. A host of a sub-group is a block of ``get_local_size(group size)``
 consecutive group ranks, what TorchRec's planner assumes for any sharding
 environment: with 2 ranks per host, [0, 1] and [2, 3] are each one host and
 [0, 1, 2] (which straddles two hosts unevenly) is one host of 3 ranks; with 1
@@ -56,10 +56,10 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
-from torchrec.distributed.test_utils.reshard_utils import (
+from torchrec.distributed.test_utils.multi_process_utils import (
     global_weights,
+    MultiRankTestBase,
     process_group,
-    ReshardTestBase,
 )
 from torchrec.distributed.types import (
     EnumerableShardingSpec,
@@ -359,7 +359,7 @@ def _run_subgroups(
             _check_world_usable(TIMEOUT)
 
 
-class SubgroupModelTest(ReshardTestBase):
+class SubgroupModelTest(MultiRankTestBase):
     def test_dmp_on_subgroups_fused_two_hosts_of_two(self) -> None:
         self.run_ranks(
             _run_subgroups,

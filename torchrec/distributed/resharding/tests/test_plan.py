@@ -5,19 +5,20 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
-One-process tests of the pure half of live resharding: rectangles, layouts,
-transfers, validation, the delta digest and the split of an exchange into
-rounds. Every expectation is computed independently of the planner (element
-owner maps, area sums, pairwise disjointness), never by calling it twice.
+One-process tests of the pure half of live resharding: rectangles, layouts
+and the transfers between two layouts. Every expectation is computed
+independently of the planner (element owner maps, area sums, pairwise
+disjointness), never by calling it twice. Validation and the request digest
+are tested in test_plan_validation.py, the rounds of the exchange in
+test_exchange.py.
 """
 
 import itertools
-import os
-import subprocess
-import sys
 import unittest
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import hypothesis.strategies as st
 import torch
@@ -25,15 +26,7 @@ from hypothesis import given, HealthCheck, settings
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding.exchange import (
-    Field,
-    field_kind,
-    FieldKind,
-    split_into_rounds,
-)
 from torchrec.distributed.resharding.plan import (
-    delta_digest,
-    describe_parameter_sharding,
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
     PlacedShard,
@@ -41,11 +34,9 @@ from torchrec.distributed.resharding.plan import (
     plan_transfers,
     Rect,
     replicated_layout,
-    ReshardError,
     ReshardPlan,
     TableLayout,
     Transfer,
-    validate_parameter_sharding,
 )
 from torchrec.distributed.sharding_plan import (
     column_wise,
@@ -94,7 +85,6 @@ def _sharding(
 
 # The table of the type-pair tests: 10 rows (row-wise splits are uneven:
 # 3, 3, 3, 1) and 256 columns (grid sharding needs two 128-column blocks).
-RECT, ROWS, SCALAR = FieldKind.RECT, FieldKind.ROWS, FieldKind.SCALAR
 ROWS_, COLS_ = 10, 256
 WORLD, LOCAL = 4, 2
 
@@ -285,7 +275,7 @@ class RectTest(unittest.TestCase):
 class LayoutTest(unittest.TestCase):
     def _layout(self, kind: str) -> TableLayout:
         ps = _constructed(kind)
-        return validate_parameter_sharding("t", ps, ROWS_, COLS_, WORLD, "cpu")
+        return layout_from_parameter_sharding(ps, ROWS_, COLS_, WORLD)
 
     def _shards(self, layout: TableLayout) -> List[Tuple[int, int, int, int, int]]:
         return [
@@ -367,7 +357,6 @@ class LayoutTest(unittest.TestCase):
         self.assertEqual(
             [s.rect for s in layout.shards_on(0)], [Rect(7, 0, 3, 4), Rect(0, 4, 2, 12)]
         )
-        self.assertEqual(layout, validate_parameter_sharding("t", ps, 10, 16, 2, "cpu"))
 
     def test_from_shards_metadata(self) -> None:
         ps = _constructed("GRID")
@@ -393,8 +382,8 @@ class TypePairTransferTest(PlanChecks):
 
     def test_all_type_pairs(self) -> None:
         layouts = {
-            kind: validate_parameter_sharding(
-                "t", _constructed(kind), ROWS_, COLS_, WORLD, "cpu"
+            kind: layout_from_parameter_sharding(
+                _constructed(kind), ROWS_, COLS_, WORLD
             )
             for kind in GENERATORS
         }
@@ -532,7 +521,7 @@ class UnevenAndEmptyTest(PlanChecks):
         )
         shardings = {"rw": rw, "cw": cw, "twcw": twcw, "grid": grid}
         layouts = {
-            k: validate_parameter_sharding("t", v, 10, 16, 3, "cpu")
+            k: layout_from_parameter_sharding(v, 10, 16, 3)
             for k, v in shardings.items()
         }
         for a, b in itertools.product(layouts, layouts):
@@ -564,10 +553,10 @@ class UnevenAndEmptyTest(PlanChecks):
         ps = _constructed("RW", _ebc(rows=3, cols=8))
         sizes = [list(m.shard_sizes) for m in ps.sharding_spec.shards]
         self.assertEqual(sizes, [[1, 8], [1, 8], [1, 8], [0, 8]])
-        rw = validate_parameter_sharding("t", ps, 3, 8, WORLD, "cpu")
+        rw = layout_from_parameter_sharding(ps, 3, 8, WORLD)
         self.assertEqual(rw.shards[3], PlacedShard(3, Rect(3, 0, 0, 8)))
-        tw = validate_parameter_sharding(
-            "t", _sharding("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD, "cpu"
+        tw = layout_from_parameter_sharding(
+            _sharding("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD
         )
         for old, new in ((rw, tw), (tw, rw)):
             plan = plan_transfers({"t": old}, {"t": new})
@@ -592,7 +581,7 @@ class UnevenAndEmptyTest(PlanChecks):
         ps = _sharding(
             "row_wise", [(0, 0, 2, 16, 0), (2, 0, 0, 16, 1), (2, 0, 8, 16, 1)]
         )
-        layout = validate_parameter_sharding("t", ps, 10, 16, 2, "cpu")
+        layout = layout_from_parameter_sharding(ps, 10, 16, 2)
         tw = layout_from_parameter_sharding(
             _sharding("table_wise", [(0, 0, 10, 16, 0)]), 10, 16, 2
         )
@@ -634,11 +623,11 @@ class PropertyTest(PlanChecks):
         cols = data.draw(st.integers(1, 12), label="cols")
         old_shards = data.draw(_tiling(rows, cols, world_size), label="old")
         new_shards = data.draw(_tiling(rows, cols, world_size), label="new")
-        old = validate_parameter_sharding(
-            "t", _sharding("grid_shard", old_shards), rows, cols, world_size, "cpu"
+        old = layout_from_parameter_sharding(
+            _sharding("grid_shard", old_shards), rows, cols, world_size
         )
-        new = validate_parameter_sharding(
-            "t", _sharding("grid_shard", new_shards), rows, cols, world_size, "cpu"
+        new = layout_from_parameter_sharding(
+            _sharding("grid_shard", new_shards), rows, cols, world_size
         )
         plan = plan_transfers({"t": old}, {"t": new})
         self.check_plan(plan, "t", old, new, world_size)
@@ -665,444 +654,6 @@ class PropertyTest(PlanChecks):
             t.rect.numel for r in range(world_size) for t in plan.local_copies(r)
         )
         self.assertEqual(local, rows * cols - changed)
-
-
-# --------------------------------------------------------------------------
-# Validation.
-
-
-class ValidationTest(unittest.TestCase):
-    NAME = "my_table"
-
-    def assert_rejected(
-        self,
-        ps: object,
-        reason: str,
-        rows: int = 10,
-        cols: int = 16,
-        world_size: int = 2,
-        device_type: str = "cpu",
-    ) -> None:
-        with self.assertRaises(ReshardError) as ctx:
-            validate_parameter_sharding(
-                self.NAME, ps, rows, cols, world_size, device_type  # pyre-ignore
-            )
-        message = str(ctx.exception)
-        self.assertIn(f"'{self.NAME}'", message)
-        self.assertRegex(message, reason)
-
-    def test_valid_shardings_pass(self) -> None:
-        for ps in (
-            _sharding("table_wise", [(0, 0, 10, 16, 1)]),
-            _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED),
-            _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)]),
-            _sharding("row_wise", [(0, 0, 9, 16, 1), (9, 0, 1, 16, 0)]),
-            ParameterSharding(
-                sharding_type="data_parallel", compute_kernel=DENSE, ranks=None
-            ),
-        ):
-            layout = validate_parameter_sharding(self.NAME, ps, 10, 16, 2, "cpu")
-            self.assertEqual((layout.rows, layout.cols), (10, 16))
-
-    def test_gap(self) -> None:
-        self.assert_rejected(
-            _sharding("row_wise", [(0, 0, 4, 16, 0), (5, 0, 5, 16, 1)]), "tile"
-        )
-
-    def test_overlap(self) -> None:
-        # EnumerableShardingSpec rejects overlaps at construction: overlap a
-        # valid spec afterwards (as a hand-edited plan could).
-        ps = _sharding("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
-        ps.sharding_spec.shards[0].shard_sizes = [6, 16]
-        self.assert_rejected(ps, "overlap")
-        ps = _sharding("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
-        ps.sharding_spec.shards.append(
-            ShardMetadata(
-                shard_offsets=[0, 0], shard_sizes=[5, 16], placement="rank:1/cpu"
-            )
-        )
-        self.assert_rejected(ps, "overlap")
-
-    def test_wrong_total_size(self) -> None:
-        tw = _sharding("table_wise", [(0, 0, 10, 16, 0)])
-        # The shards tile a 10x16 table, not the module's 12x16 / 10x20 one.
-        self.assert_rejected(tw, "tile", rows=12)
-        self.assert_rejected(tw, "tile", cols=20)
-        # Larger than the table.
-        self.assert_rejected(_sharding("table_wise", [(0, 0, 11, 16, 0)]), "tile")
-        self.assert_rejected(
-            _sharding(
-                "row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1), (10, 0, 1, 16, 1)]
-            ),
-            "tile",
-        )
-
-    def test_rank_out_of_range(self) -> None:
-        self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 2)]), "outside the process group"
-        )
-        self.assert_rejected(
-            _sharding("column_wise", [(0, 0, 10, 8, 0), (0, 8, 10, 8, 7)]),
-            "outside the process group",
-        )
-        # Valid placements, but an out-of-range rank in ``ranks``.
-        self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 1)], ranks=[3]),
-            "outside the process group",
-        )
-
-    def test_wrong_device_type(self) -> None:
-        self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)], device="cuda:0"), "device type"
-        )
-        self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)]),
-            "device type",
-            device_type="cuda",
-        )
-
-    def test_unsupported_sharding_type(self) -> None:
-        self.assert_rejected(
-            _sharding("fancy_wise", [(0, 0, 10, 16, 0)]), "sharding type 'fancy_wise'"
-        )
-
-    def test_unsupported_compute_kernel(self) -> None:
-        for kernel in (
-            EmbeddingComputeKernel.QUANT.value,
-            EmbeddingComputeKernel.KEY_VALUE.value,
-            EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
-        ):
-            self.assert_rejected(
-                _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=kernel),
-                f"compute kernel '{kernel}'",
-            )
-
-    def test_table_wise_with_two_shards(self) -> None:
-        self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)]),
-            "exactly one shard",
-        )
-
-    def test_column_wise_not_spanning_rows(self) -> None:
-        for kind in ("column_wise", "table_column_wise"):
-            self.assert_rejected(
-                _sharding(kind, [(0, 0, 10, 8, 0), (0, 8, 5, 8, 1), (5, 8, 5, 8, 1)]),
-                "span all 10 rows",
-            )
-
-    def test_row_wise_not_spanning_columns(self) -> None:
-        for kind in ("row_wise", "table_row_wise"):
-            self.assert_rejected(
-                _sharding(kind, [(0, 0, 5, 16, 0), (5, 0, 5, 8, 1), (5, 8, 5, 8, 1)]),
-                "span all 16 columns",
-            )
-
-    def test_missing_spec_and_wrong_object(self) -> None:
-        self.assert_rejected(
-            ParameterSharding(
-                sharding_type="table_wise", compute_kernel=DENSE, ranks=[0]
-            ),
-            "EnumerableShardingSpec",
-        )
-        self.assert_rejected("table_wise", "ParameterSharding")
-
-
-# --------------------------------------------------------------------------
-# Delta digest.
-
-# Built identically in this process and in a fresh interpreter.
-_DELTA_SOURCE = """
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.resharding.plan import delta_digest
-from torchrec.distributed.types import ParameterSharding
-
-
-def build_delta():
-    def ps(kind, shards, kernel="fused"):
-        return ParameterSharding(
-            sharding_type=kind,
-            compute_kernel=kernel,
-            ranks=[s[4] for s in shards],
-            sharding_spec=EnumerableShardingSpec(
-                [
-                    ShardMetadata([r, c], [nr, nc], f"rank:{k}/cpu")
-                    for r, c, nr, nc, k in shards
-                ]
-            ),
-        )
-
-    return {
-        "t1": ps("column_wise", [(0, 0, 10, 8, 1), (0, 8, 10, 8, 0)]),
-        "t0": ps("table_wise", [(0, 0, 10, 16, 1)]),
-        "t2": ParameterSharding(
-            sharding_type="data_parallel", compute_kernel="dense", ranks=None
-        ),
-    }
-"""
-
-
-def _build_delta() -> Dict[str, ParameterSharding]:
-    namespace: Dict[str, object] = {}
-    exec(_DELTA_SOURCE, namespace)
-    return namespace["build_delta"]()  # pyre-ignore
-
-
-class DeltaDigestTest(unittest.TestCase):
-    def test_equal_for_equal_deltas_built_separately(self) -> None:
-        a, b = _build_delta(), _build_delta()
-        self.assertIsNot(a["t0"], b["t0"])
-        self.assertEqual(delta_digest(a), delta_digest(b))
-        # Also through TorchRec's own plan construction.
-        self.assertEqual(
-            delta_digest({"t": _constructed("GRID")}),
-            delta_digest({"t": _constructed("GRID")}),
-        )
-
-    def test_independent_of_dict_order(self) -> None:
-        a = _build_delta()
-        reordered = {k: a[k] for k in reversed(list(a))}
-        self.assertNotEqual(list(a), list(reordered))
-        self.assertEqual(delta_digest(a), delta_digest(reordered))
-
-    def test_different_for_different_deltas(self) -> None:
-        base = delta_digest(_build_delta())
-        variants = []
-        d = _build_delta()
-        d["t0"] = _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED)
-        variants.append(d)  # another rank
-        d = _build_delta()
-        d["t0"].compute_kernel = DENSE
-        variants.append(d)  # another kernel
-        d = _build_delta()
-        d["t1"] = _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)], FUSED)
-        variants.append(d)  # other column cuts
-        d = _build_delta()
-        d["t1"].sharding_type = "table_column_wise"
-        variants.append(d)  # another type, same shards
-        d = _build_delta()
-        del d["t2"]
-        variants.append(d)  # a table fewer
-        d = _build_delta()
-        d["t3"] = d.pop("t2")
-        variants.append(d)  # another table name
-        digests = [delta_digest(v) for v in variants]
-        self.assertNotIn(base, digests)
-        self.assertEqual(len(set(digests)), len(digests))
-        self.assertNotEqual(delta_digest({}), base)
-        for digest in digests + [base]:
-            self.assertIsInstance(digest, int)
-            self.assertTrue(0 <= digest < 2**63)
-
-    def test_describe_is_canonical(self) -> None:
-        a, b = _build_delta(), _build_delta()
-        for name in a:
-            self.assertEqual(
-                describe_parameter_sharding(a[name]),
-                describe_parameter_sharding(b[name]),
-            )
-
-    def test_stable_across_processes(self) -> None:
-        script = _DELTA_SOURCE + "\nprint(delta_digest(build_delta()))\n"
-        env = dict(os.environ, PYTHONHASHSEED="12345")
-        result = subprocess.run(
-            [sys.executable, "-c", script],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=120,
-        )
-        self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertEqual(
-            int(result.stdout.strip().splitlines()[-1]), delta_digest(_build_delta())
-        )
-
-
-# --------------------------------------------------------------------------
-# Rounds of the exchange.
-
-
-def _transfer(
-    table: str, src: int, dst: int, rows: int, cols: int, row: int = 0
-) -> Transfer:
-    rect = Rect(row, 0, rows, cols)
-    return Transfer(table, src, dst, rect, rect, rect)
-
-
-class SplitIntoRoundsTest(unittest.TestCase):
-    FIELDS = {
-        "a": [Field("weight", RECT, torch.float32)],
-        "b": [Field("weight", RECT, torch.float16), Field("sum", ROWS, torch.float32)],
-    }
-
-    def size(self, t: Transfer) -> int:
-        return sum(
-            f.numel(t) * torch.empty((), dtype=f.dtype).element_size()
-            for f in self.FIELDS[t.table]
-        )
-
-    def check_rounds(
-        self, transfers: List[Transfer], rounds: List[List[Transfer]], cap: int
-    ) -> None:
-        remote = [t for t in transfers if not t.is_local]
-        flat = [t for r in rounds for t in r]
-        # Every remote transfer, in plan order, as row bands that tile it; no
-        # local one.
-        i = 0
-        for t in remote:
-            row = t.rect.row
-            while row < t.rect.row + t.rect.rows:
-                band = flat[i]
-                i += 1
-                self.assertEqual(
-                    (
-                        band.table,
-                        band.src_rank,
-                        band.dst_rank,
-                        band.src_rect,
-                        band.dst_rect,
-                    ),
-                    (t.table, t.src_rank, t.dst_rank, t.src_rect, t.dst_rect),
-                )
-                self.assertEqual(
-                    (band.rect.row, band.rect.col, band.rect.cols),
-                    (row, t.rect.col, t.rect.cols),
-                )
-                row += band.rect.rows
-            self.assertEqual(row, t.rect.row + t.rect.rows)
-        self.assertEqual(i, len(flat))
-        for round_ in rounds:
-            self.assertTrue(round_)
-            load: Dict[int, int] = {}
-            count: Dict[int, int] = {}
-            for t in round_:
-                for rank in (t.src_rank, t.dst_rank):
-                    load[rank] = load.get(rank, 0) + self.size(t)
-                    count[rank] = count.get(rank, 0) + 1
-            for rank in load:
-                # Per rank: within the cap, or a single one-row band larger
-                # than it (which then shares the round with nothing else of
-                # that rank).
-                if load[rank] > cap:
-                    self.assertEqual(count[rank], 1, (rank, round_))
-                    (band,) = [t for t in round_ if rank in (t.src_rank, t.dst_rank)]
-                    self.assertEqual(band.rect.rows, 1)
-
-    def test_none_is_one_round_without_local(self) -> None:
-        transfers = [
-            _transfer("a", 0, 1, 4, 4),
-            _transfer("a", 1, 1, 4, 4, row=4),
-            _transfer("b", 1, 0, 2, 4),
-            _transfer("b", 2, 2, 2, 4, row=2),
-        ]
-        self.assertEqual(
-            split_into_rounds(transfers, self.FIELDS, None),
-            [[transfers[0], transfers[2]]],
-        )
-        self.assertEqual(split_into_rounds(transfers[1::2], self.FIELDS, None), [])
-        self.assertEqual(split_into_rounds([], self.FIELDS, None), [])
-        self.assertEqual(split_into_rounds(transfers[1::2], self.FIELDS, 1), [])
-
-    def test_cap_respected_per_rank(self) -> None:
-        # 64 bytes each ("a": 4x4 fp32) between different rank pairs.
-        transfers = [
-            _transfer("a", 0, 1, 4, 4),
-            _transfer("a", 2, 3, 4, 4),
-            _transfer("a", 0, 2, 4, 4),
-            _transfer("a", 1, 1, 4, 4, row=4),  # local: never in a round
-            _transfer("a", 3, 1, 4, 4),
-        ]
-        # Cap 100: 0->1 and 2->3 share a round (disjoint ranks); 0->2 would
-        # put 128 bytes on ranks 0 and 2, so it opens a second round, which
-        # 3->1 joins (64 bytes on each of its ranks).
-        rounds = split_into_rounds(transfers, self.FIELDS, 100)
-        self.check_rounds(transfers, rounds, 100)
-        self.assertEqual(
-            rounds,
-            [[transfers[0], transfers[1]], [transfers[2], transfers[4]]],
-        )
-        rounds = split_into_rounds(transfers, self.FIELDS, 64)
-        self.check_rounds(transfers, rounds, 64)
-        self.assertEqual(
-            rounds, [[transfers[0], transfers[1]], [transfers[2], transfers[4]]]
-        )
-        # Cap 63: each 64-byte piece is cut into bands of 3 rows and 1 row.
-        rounds = split_into_rounds(transfers, self.FIELDS, 63)
-        self.check_rounds(transfers, rounds, 63)
-        self.assertEqual(
-            [t.rect.rows for r in rounds for t in r], [3, 1, 3, 1, 3, 1, 3, 1]
-        )
-        rounds = split_into_rounds(transfers, self.FIELDS, 10_000)
-        self.assertEqual(rounds, [[t for t in transfers if not t.is_local]])
-
-    def test_mixed_fields_sizes(self) -> None:
-        # "b": 2x4 fp16 (16 bytes) + 2 fp32 row sums (8 bytes) = 24 bytes.
-        t = _transfer("b", 0, 1, 2, 4)
-        self.assertEqual(self.size(t), 24)
-        transfers = [_transfer("b", 0, 1, 2, 4, row=2 * i) for i in range(5)]
-        rounds = split_into_rounds(transfers, self.FIELDS, 48)
-        self.check_rounds(transfers, rounds, 48)
-        self.assertEqual([len(r) for r in rounds], [2, 2, 1])
-
-    def test_piece_larger_than_cap_is_cut_into_row_bands(self) -> None:
-        transfers = [
-            _transfer("a", 0, 1, 1, 4),  # 16 bytes
-            _transfer("a", 1, 0, 10, 4, row=1),  # 160 bytes > cap: 5 bands of 2 rows
-            _transfer("a", 0, 1, 1, 4, row=11),  # 16 bytes
-            _transfer("a", 0, 1, 1, 4, row=12),  # 16 bytes
-        ]
-        rounds = split_into_rounds(transfers, self.FIELDS, 40)
-        self.check_rounds(transfers, rounds, 40)
-        self.assertEqual(
-            [[t.rect.rows for t in r] for r in rounds],
-            [[1], [2], [2], [2], [2], [2], [1, 1]],
-        )
-
-    def test_row_larger_than_cap_travels_alone(self) -> None:
-        transfers = [_transfer("a", 0, 1, 3, 4), _transfer("a", 2, 3, 1, 4)]
-        rounds = split_into_rounds(transfers, self.FIELDS, 10)
-        self.check_rounds(transfers, rounds, 10)
-        self.assertEqual([[t.rect.rows for t in r] for r in rounds], [[1]] * 4)
-
-    # pyre-ignore[56]
-    @settings(max_examples=100, deadline=None)
-    @given(
-        pieces=st.lists(
-            st.tuples(
-                st.integers(0, 3),
-                st.integers(0, 3),
-                st.integers(1, 6),
-                st.sampled_from(["a", "b"]),
-            ),
-            max_size=20,
-        ),
-        cap=st.integers(1, 400),
-    )
-    def test_random_rounds(
-        self, pieces: List[Tuple[int, int, int, str]], cap: int
-    ) -> None:
-        transfers = [
-            _transfer(table, src, dst, rows, 4, row=i * 8)
-            for i, (src, dst, rows, table) in enumerate(pieces)
-        ]
-        rounds = split_into_rounds(transfers, self.FIELDS, cap)
-        self.check_rounds(transfers, rounds, cap)
-        self.assertEqual(rounds, split_into_rounds(transfers, self.FIELDS, cap))
-
-
-class FieldKindTest(unittest.TestCase):
-    def test_kinds(self) -> None:
-        self.assertEqual(field_kind(torch.zeros(3, 4), 3, 4), RECT)
-        self.assertEqual(field_kind(torch.zeros(12), 3, 4), RECT)
-        self.assertEqual(field_kind(torch.zeros(3), 3, 4), ROWS)
-        self.assertEqual(field_kind(torch.zeros(1), 3, 4), SCALAR)
-        self.assertEqual(field_kind(torch.zeros(()), 3, 4), SCALAR)
-        with self.assertRaises(ReshardError):
-            field_kind(torch.zeros(5), 3, 4)
-        t = _transfer("a", 0, 1, 3, 4)
-        self.assertEqual(Field("w", RECT, torch.float32).numel(t), 12)
-        self.assertEqual(Field("s", ROWS, torch.float32).numel(t), 3)
-        self.assertEqual(Field("c", SCALAR, torch.float32).numel(t), 1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Helpers for tests of sharded modules: a process group whose collectives time
+out (so that no test hangs forever), a one-rank process group inside the test
+process, a multi-process test base whose ranks get the test's master port, and
+a sharded module's full weights gathered from every rank with plain
+collectives (independent of the code under test).
+"""
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._tensor import DTensor
+from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+
+
+@contextlib.contextmanager
+def process_group(
+    rank: int,
+    world_size: int,
+    port: str,
+    local_size: Optional[int] = None,
+    timeout_s: float = 120.0,
+) -> Iterator[Tuple[dist.ProcessGroup, torch.device]]:
+    """
+    A process group with a timeout, so that no test can hang forever. NCCL
+    when there are enough GPUs, gloo on CPU otherwise.
+
+    Args:
+        rank (int): this rank.
+        world_size (int): number of ranks.
+        port (str): master port.
+        local_size (Optional[int]): ranks per host (for TWRW and grid).
+        timeout_s (float): timeout of every collective.
+
+    Returns:
+        Iterator[Tuple[dist.ProcessGroup, torch.device]]: the group and device.
+    """
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = port
+    os.environ["LOCAL_WORLD_SIZE"] = str(local_size or world_size)
+    os.environ["LOCAL_RANK"] = str(rank % (local_size or world_size))
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+    try:
+        yield dist.group.WORLD, device
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def single_rank_process_group() -> Iterator[dist.ProcessGroup]:
+    """
+    A gloo process group of one rank in this process (an in-memory store, no
+    port), for one-process tests of code that needs a process group, such as
+    building fused kernels. It is the default group until the context ends.
+
+    Returns:
+        Iterator[dist.ProcessGroup]: the group.
+    """
+    dist.init_process_group(
+        "gloo",
+        store=dist.HashStore(),
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        group = dist.group.WORLD
+        assert group is not None
+        yield group
+    finally:
+        dist.destroy_process_group()
+
+
+class MultiRankTestBase(MultiProcessTestBase):
+    """MultiProcessTestBase whose ranks get the test's master port explicitly
+    (forkserver children do not see later changes of the parent's env)."""
+
+    def run_ranks(
+        self, callable: Callable[..., None], world_size: int = 2, **kwargs: Any
+    ) -> None:
+        """Runs ``callable(rank=, world_size=, port=, **kwargs)`` on every rank."""
+        self._run_multi_process_test(
+            callable=callable,
+            world_size=world_size,
+            port=os.environ["MASTER_PORT"],
+            **kwargs,
+        )
+
+
+def local_pieces(value: Any) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
+    """
+    Args:
+        value (Any): a state-dict value.
+
+    Returns:
+        List[Tuple[Tuple[int, int], torch.Tensor]]: (row and column offset,
+        tensor) of every local shard of a ShardedTensor or a DTensor; none for
+        anything else.
+    """
+    if isinstance(value, ShardedTensor):
+        return [
+            (tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()
+        ]
+    if isinstance(value, DTensor):
+        wrapper = value._local_tensor
+        return [
+            (tuple(offset), tensor)
+            for tensor, offset in zip(wrapper.local_shards(), wrapper.local_offsets())
+        ]
+    return []
+
+
+def global_weights(module: nn.Module, pg: dist.ProcessGroup) -> Dict[str, torch.Tensor]:
+    """
+    Every table's full weight, assembled from every rank's local shards with an
+    all-reduce (each element has one owner; data-parallel tables are local).
+
+    Args:
+        module (nn.Module): a sharded module (or a model holding some).
+        pg (dist.ProcessGroup): its process group.
+
+    Returns:
+        Dict[str, torch.Tensor]: state-dict key -> full tensor, in the table dtype.
+    """
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict().items():
+        if isinstance(value, (ShardedTensor, DTensor)):
+            full = torch.zeros(value.size(), dtype=torch.float64)
+            for (row, col), tensor in local_pieces(value):
+                full[row : row + tensor.shape[0], col : col + tensor.shape[1]] = (
+                    tensor.to("cpu", torch.float64)
+                )
+            dist.all_reduce(full, group=pg)
+            dtype = (
+                value.metadata().tensor_properties.dtype
+                if isinstance(value, ShardedTensor)
+                else value.dtype
+            )
+            out[key] = full.to(dtype)
+        else:
+            out[key] = value.detach().to("cpu").clone()
+    return out
