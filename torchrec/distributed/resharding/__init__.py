@@ -25,19 +25,19 @@ between ranks (and between sharding types) inside a running job.
   released only where nobody else can see it;
 * ``model`` — ``DistributedModelParallel``: a whole new plan in one
   transaction, and its dry run;
-* ``elastic`` — a model onto another set of ranks (shrink, grow, any set),
-  unsharded onto one rank, or sharded from the one rank holding its weights.
+* ``elastic_plan`` — pure: a move between groups of ranks, its layouts in
+  global ranks and the checks every participant runs on the shared facts;
+* ``elastic`` — a model onto another set of ranks (shrink, grow, any set);
+* ``unshard`` — a model unsharded onto one rank, or sharded from the one rank
+  holding its weights.
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa
     dry_run_move,
     move_model,
-    MoveDryRun,
     MovedModel,
+    MoveDryRun,
     MoveReport,
-    shard_from_rank,
-    unshard_model,
-    UnshardedModel,
 )
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
@@ -58,6 +58,11 @@ from torchrec.distributed.resharding.transaction import (  # noqa
     reshard_module,
     ReshardOptions,
     ReshardReport,
+)
+from torchrec.distributed.resharding.unshard import (  # noqa
+    shard_from_rank,
+    unshard_model,
+    UnshardedModel,
 )
 
 __all__ = [

@@ -29,18 +29,15 @@ under a new plan for ``G'`` — shrink, grow, any other set of ranks:
 4. **release** the old model on every rank of ``G``.
 
 Until step 4 the old model is untouched: a failure raises on every rank and
-nothing is lost. :func:`unshard_model` (every table onto one rank as plain
-modules) and :func:`shard_from_rank` (tables only one rank holds, sharded onto
-the group) are the same move between a sharded model and plain modules on one
-rank.
+nothing is lost. ``elastic_plan`` plans the move (pure); ``unshard`` is the same move between
+a sharded model and plain modules on one rank.
 """
 
 import contextlib
 import copy
-import hashlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import (
     Any,
     Callable,
@@ -57,13 +54,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.resharding.elastic_plan import (
+    AgreedMove,
+    check_move_agreement,
+    move_fields,
+    move_transfers,
+    MoveFacts,
+    plan_layouts,
+    plan_text,
+    request_digest,
+    table_key,
+    TableShape,
+    validate_new_plan,
+)
 from torchrec.distributed.resharding.exchange import (
     agree_among,
     Agreement,
     close_exchange_group,
     exchange_pieces,
     Field,
-    FieldKind,
     open_exchange_group_among,
 )
 from torchrec.distributed.resharding.install import adapter_for
@@ -79,26 +88,16 @@ from torchrec.distributed.resharding.kernel_state import (
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
-    merge_table_facts,
-    TableFacts,
 )
 from torchrec.distributed.resharding.plan import (
-    describe_parameter_sharding,
-    layout_from_parameter_sharding,
-    plan_table_transfers,
-    Rect,
     ReshardAbortedError,
     ReshardError,
     ReshardPlan,
-    TableLayout,
-    Transfer,
-    validate_parameter_sharding,
 )
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.transaction import ReshardOptions
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -106,9 +105,6 @@ from torchrec.modules.embedding_modules import (
 from torchrec.optim.keyed import KeyedOptimizer
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-# table of a module: (name, rows, columns)
-TableShape = Tuple[str, int, int]
 
 
 @dataclass
@@ -161,29 +157,6 @@ class MovedModel:
         return self.model is None
 
 
-@dataclass
-class UnshardedModel:
-    """
-    A model's sharded modules as plain modules on one rank.
-
-    Args:
-        modules (Dict[str, nn.Module]): module path -> an unsharded
-            ``EmbeddingBagCollection`` / ``EmbeddingCollection`` (on CPU)
-            holding every weight.
-        optimizer_state (Dict[str, Dict[str, Dict[str, torch.Tensor]]]): module
-            path -> table -> fused optimizer state key -> the whole table's
-            state (per element, or per row), when asked for.
-    """
-
-    modules: Dict[str, nn.Module]
-    optimizer_state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = field(
-        default_factory=dict
-    )
-
-
-# ------------------------------------------------------------------ modules
-
-
 def sharded_modules(root: nn.Module) -> Dict[str, nn.Module]:
     """
     Args:
@@ -199,7 +172,7 @@ def sharded_modules(root: nn.Module) -> Dict[str, nn.Module]:
     return {p: m for p, m in root.named_modules() if isinstance(m, kinds)}
 
 
-def _plain_tables(module: nn.Module) -> List[TableShape]:
+def plain_tables(module: nn.Module) -> List[TableShape]:
     configs = (
         module.embedding_bag_configs()
         if isinstance(module, EmbeddingBagCollection)
@@ -213,7 +186,7 @@ def _sharded_tables(module: nn.Module) -> List[TableShape]:
     return [(c.name, *adapter.table_shape(c.name)) for c in adapter.configs()]
 
 
-def _plain_twin(module: nn.Module, device: torch.device) -> nn.Module:
+def plain_twin(module: nn.Module, device: torch.device) -> nn.Module:
     """An unsharded module of the same tables as a sharded one."""
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
 
@@ -251,11 +224,11 @@ def _unsharded_definition(model: nn.Module) -> nn.Module:
     for path in sharded:
         parent_path, _, name = path.rpartition(".")
         parent = definition.get_submodule(parent_path)
-        setattr(parent, name, _plain_twin(sharded[path], torch.device("meta")))
+        setattr(parent, name, plain_twin(sharded[path], torch.device("meta")))
     return definition
 
 
-def _is_dense(name: str, sharded_paths: Sequence[str]) -> bool:
+def is_dense(name: str, sharded_paths: Sequence[str]) -> bool:
     return not any(name.startswith(p + ".") for p in sharded_paths)
 
 
@@ -271,73 +244,9 @@ def dense_tensors(root: nn.Module) -> Dict[str, torch.Tensor]:
     paths = list(sharded_modules(root))
     out: Dict[str, torch.Tensor] = {}
     for name, t in list(root.named_parameters()) + list(root.named_buffers()):
-        if _is_dense(name, paths):
+        if is_dense(name, paths):
             out[name] = t
     return dict(sorted(out.items()))
-
-
-# ------------------------------------------------------------------ layouts
-
-
-def _key(path: str, table: str) -> str:
-    return f"{path}:{table}"
-
-
-def plan_layouts(
-    plan: ShardingPlan,
-    tables: Mapping[str, Sequence[TableShape]],
-    group_ranks: Sequence[int],
-) -> Dict[str, TableLayout]:
-    """
-    Args:
-        plan (ShardingPlan): a plan for a group (group-local placements).
-        tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
-        group_ranks (Sequence[int]): the group's global ranks.
-
-    Returns:
-        Dict[str, TableLayout]: "path:table" -> its layout, in global ranks.
-    """
-    out: Dict[str, TableLayout] = {}
-    to_global = dict(enumerate(group_ranks))
-    for path, shapes in sorted(tables.items()):
-        for name, rows, cols in shapes:
-            ps = plan.plan[path][name]
-            layout = layout_from_parameter_sharding(ps, rows, cols, len(group_ranks))
-            out[_key(path, name)] = layout.remap_ranks(to_global)
-    return out
-
-
-def _whole_on(
-    tables: Mapping[str, Sequence[TableShape]], rank: int
-) -> Dict[str, TableLayout]:
-    """Every table whole on one (global) rank."""
-    from torchrec.distributed.resharding.plan import PlacedShard
-
-    return {
-        _key(path, name): TableLayout(
-            rows, cols, (PlacedShard(rank, Rect(0, 0, rows, cols)),)
-        )
-        for path, shapes in sorted(tables.items())
-        for name, rows, cols in shapes
-    }
-
-
-def _transfers(
-    old: Mapping[str, TableLayout],
-    new: Mapping[str, TableLayout],
-    union: Sequence[int],
-) -> ReshardPlan:
-    """Transfers in the union's ranks (its order numbers them)."""
-    local = {g: i for i, g in enumerate(union)}
-    olds = {k: v.remap_ranks(local) for k, v in old.items()}
-    news = {k: v.remap_ranks(local) for k, v in new.items()}
-    transfers: List[Transfer] = []
-    for key in sorted(news):
-        transfers.extend(plan_table_transfers(key, olds[key], news[key]))
-    return ReshardPlan(tuple(transfers), olds, news)
-
-
-# -------------------------------------------------------------------- slots
 
 
 def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
@@ -346,85 +255,16 @@ def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
     for path, module in sharded_modules(root).items():
         adapter = adapter_for(module)
         for (table, rect), slot in adapter.local_slots(adapter.lookups()).items():
-            key = _key(path, table)
+            key = table_key(path, table)
             out[(key, rect)] = LocalSlot(key, rect, slot.tensors)
     return out
 
 
-def _plain_weight(module: nn.Module, table: str) -> torch.Tensor:
-    if isinstance(module, EmbeddingBagCollection):
-        return module.embedding_bags[table].weight
-    return module.embeddings[table].weight
-
-
-def _plain_slots(
-    modules: Mapping[str, nn.Module],
-    fields: Mapping[str, Sequence[Field]],
-    state: Optional[Dict[str, Dict[str, Dict[str, torch.Tensor]]]],
-) -> Dict[SlotKey, LocalSlot]:
-    """
-    Whole tables of plain modules as slots: their weights and, when ``state``
-    is given, tensors for every other field (filled in ``state``).
-    """
-    out: Dict[SlotKey, LocalSlot] = {}
-    for path, module in modules.items():
-        for name, rows, cols in _plain_tables(module):
-            key = _key(path, name)
-            tensors = {"weight": _plain_weight(module, name).detach()}
-            if state is not None:
-                for f in fields.get(key, []):
-                    if f.name == "weight":
-                        continue
-                    shape = {
-                        FieldKind.RECT: (rows, cols),
-                        FieldKind.ROWS: (rows,),
-                        FieldKind.SCALAR: (1,),
-                    }[f.kind]
-                    tensor = torch.empty(shape, dtype=f.dtype)
-                    state.setdefault(path, {}).setdefault(name, {})[f.name] = tensor
-                    tensors[f.name] = tensor
-            out[(key, Rect(0, 0, rows, cols))] = LocalSlot(
-                key, Rect(0, 0, rows, cols), tensors
-            )
-    return out
-
-
-# -------------------------------------------------------------------- facts
-
-
-@dataclass
-class _Facts:
-    """What a participant tells the others before anything moves."""
-
-    old_ranks: Optional[List[int]] = None
-    new_ranks: Optional[List[int]] = None
-    old_plan: Optional[ShardingPlan] = None
-    tables: Optional[Dict[str, List[TableShape]]] = None
-    defined_tables: Optional[Dict[str, List[TableShape]]] = None
-    table_facts: Optional[Dict[str, TableFacts]] = None
-    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
-    has_optimizer: bool = False
-    pipelined: Optional[List[str]] = None
-
-
-def _plan_text(plan: ShardingPlan) -> str:
-    return "\n".join(
-        f"{path}:{table}={describe_parameter_sharding(ps)}"
-        for path in sorted(plan.plan)
-        for table, ps in sorted(plan.plan[path].items())
-    )
-
-
-def _digest(*parts: str) -> int:
-    text = "\n".join(parts)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
-
-
-def _model_facts(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> _Facts:
+def model_facts(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> MoveFacts:
     root = model.module
     modules = sharded_modules(root)
     dense = dense_tensors(root)
-    return _Facts(
+    return MoveFacts(
         old_ranks=dist.get_process_group_ranks(model._env.process_group),
         old_plan=model.plan,
         tables={path: _sharded_tables(m) for path, m in modules.items()},
@@ -448,7 +288,7 @@ def _attached_to_pipeline(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get("forward"), BaseForward)
 
 
-def _defined_tables(
+def defined_tables(
     definition: nn.Module, plan: ShardingPlan
 ) -> Dict[str, List[TableShape]]:
     """The tables of the modules a plan shards, in an unsharded definition."""
@@ -465,126 +305,11 @@ def _defined_tables(
                 f"module '{path}' of the definition is a {type(module).__name__}, "
                 "not an EmbeddingBagCollection or EmbeddingCollection"
             )
-        out[path] = _plain_tables(module)
+        out[path] = plain_tables(module)
     return out
 
 
-def _validate_new_plan(
-    plan: ShardingPlan,
-    tables: Mapping[str, Sequence[TableShape]],
-    world_size: int,
-    device_type: str,
-) -> None:
-    if set(plan.plan) != set(tables):
-        raise ReshardError(
-            f"the new plan covers modules {sorted(plan.plan)}, the model has "
-            f"sharded modules {sorted(tables)}"
-        )
-    for path, shapes in tables.items():
-        names = {t[0] for t in shapes}
-        if set(plan.plan[path]) != names:
-            raise ReshardError(
-                f"module '{path}': the new plan covers tables "
-                f"{sorted(plan.plan[path])}, the module has {sorted(names)}"
-            )
-        for name, rows, cols in shapes:
-            try:
-                validate_parameter_sharding(
-                    name, plan.plan[path][name], rows, cols, world_size, device_type
-                )
-            except ReshardError as e:
-                raise ReshardError(f"module '{path}': {e}") from None
-
-
-def _unique(values: Sequence[Any], what: str) -> Any:
-    present = [v for v in values if v is not None]
-    distinct: List[Any] = []
-    for v in present:
-        if v not in distinct:
-            distinct.append(v)
-    if len(distinct) > 1:
-        raise ReshardError(f"ranks passed different {what}: {distinct}")
-    return distinct[0] if distinct else None
-
-
-@dataclass
-class _Agreed:
-    """What every participant knows after the agreement."""
-
-    union: List[int]
-    old_ranks: List[int]
-    new_ranks: List[int]
-    old_plan: ShardingPlan
-    tables: Dict[str, List[TableShape]]
-    table_facts: Dict[str, TableFacts]
-    dense: List[Tuple[str, Tuple[int, ...], str]]
-    has_optimizer: bool
-
-
-def _check_agreement(union: List[int], all_facts: Sequence[_Facts]) -> _Agreed:
-    """The same checks on every rank, on the same facts: the same outcome."""
-    old_ranks = _unique([f.old_ranks for f in all_facts], "old groups")
-    new_ranks = _unique([f.new_ranks for f in all_facts], "new groups")
-    if old_ranks is None or new_ranks is None:
-        raise ReshardError("no rank passed the model, or no rank the new group")
-    if sorted(set(old_ranks) | set(new_ranks)) != union:
-        raise ReshardError(
-            f"the participants {union} must be the old group {old_ranks} and the "
-            f"new group {new_ranks} together"
-        )
-    for rank, facts in zip(union, all_facts):
-        if rank in old_ranks and facts.old_ranks is None:
-            raise ReshardError(f"rank {rank} is in the old group but passed no model")
-        if rank in new_ranks and facts.new_ranks is None:
-            raise ReshardError(f"rank {rank} is in the new group but passed no env")
-    for rank, facts in zip(union, all_facts):
-        if facts.pipelined:
-            raise ReshardError(
-                f"rank {rank}: modules {facts.pipelined} are attached to a train "
-                "pipeline, whose batches in flight went through the old group's "
-                "input dist; call pipeline.detach() before the move (run the "
-                "pipeline dry first to train those batches) and build a pipeline "
-                "on the moved model"
-            )
-    model_tables = _unique(
-        [f.tables for f, r in zip(all_facts, union) if r in old_ranks], "models"
-    )
-    for rank, facts in zip(union, all_facts):
-        defined = facts.defined_tables
-        if defined is not None and defined != model_tables:
-            raise ReshardError(
-                f"the model definition of rank {rank} has the tables {defined}, "
-                f"the model {model_tables}"
-            )
-    holders = [f for f, r in zip(all_facts, union) if r in old_ranks]
-    table_facts = {
-        path: merge_table_facts([f.table_facts[path] for f in holders if f.table_facts])
-        for path in model_tables
-    }
-    return _Agreed(
-        union,
-        old_ranks,
-        new_ranks,
-        holders[0].old_plan,
-        model_tables,
-        table_facts,
-        holders[0].dense or [],
-        holders[0].has_optimizer,
-    )
-
-
-def _fields(agreed: _Agreed) -> Dict[str, List[Field]]:
-    return {
-        _key(path, name): agreed.table_facts[path].fields_of(name)
-        for path, shapes in agreed.tables.items()
-        for name, _, _ in shapes
-    }
-
-
-# ------------------------------------------------------------------ moving
-
-
-def _move_tables(
+def move_tables(
     plan: ReshardPlan,
     fields: Mapping[str, Sequence[Field]],
     old_slots: Mapping[SlotKey, LocalSlot],
@@ -624,7 +349,7 @@ def _move_tables(
         merges.finish()
 
 
-def _broadcast_dense(
+def broadcast_dense(
     specs: Sequence[Tuple[str, Tuple[int, ...], str]],
     source: Optional[Mapping[str, torch.Tensor]],
     target: Optional[Mapping[str, torch.Tensor]],
@@ -702,7 +427,7 @@ def _tables_not_initialised(definition: nn.Module) -> Iterator[None]:
             config.init_fn = init_fn
 
 
-def _build(
+def build_model(
     definition: nn.Module,
     env: ShardingEnv,
     plan: ShardingPlan,
@@ -721,7 +446,7 @@ def _build(
         )
 
 
-def _release(model: nn.Module) -> None:
+def release_model(model: nn.Module) -> None:
     model._release()
 
 
@@ -737,7 +462,7 @@ class _Request:
 
     union: List[int]
     me: int
-    agreed: _Agreed
+    agreed: AgreedMove
     digest: int
     definition: Optional[nn.Module]
     sharders: Optional[List[Any]]
@@ -751,7 +476,7 @@ class _Request:
 
     def transfers(self, new_plan: ShardingPlan) -> ReshardPlan:
         agreed = self.agreed
-        return _transfers(
+        return move_transfers(
             plan_layouts(agreed.old_plan, agreed.tables, agreed.old_ranks),
             plan_layouts(new_plan, agreed.tables, agreed.new_ranks),
             self.union,
@@ -775,13 +500,13 @@ def _agree_on_move(
     me = dist.get_rank()
     if device is None:
         device = model.device if model is not None else torch.device("cpu")
-    facts = _Facts()
+    facts = MoveFacts()
     error: Optional[str] = None
     try:
         if me not in union:
             raise ReshardError(f"rank {me} calls but is not among {union}")
         if model is not None:
-            facts = _model_facts(model, optimizer)
+            facts = model_facts(model, optimizer)
         if new_env is not None:
             facts.new_ranks = dist.get_process_group_ranks(new_env.process_group)
             if definition is None and model is not None:
@@ -792,15 +517,15 @@ def _agree_on_move(
                 sharders = list(model._sharder_map.values())
             if sharders is None:
                 raise ReshardError("a rank that joins must pass the sharders")
-            facts.defined_tables = _defined_tables(definition, new_plan)
-            _validate_new_plan(
+            facts.defined_tables = defined_tables(definition, new_plan)
+            validate_new_plan(
                 new_plan, facts.defined_tables, len(facts.new_ranks), device.type
             )
     except ReshardError as e:
         error = str(e)
-    digest = _digest(kind, _plan_text(new_plan), str(union))
+    digest = request_digest(kind, plan_text(new_plan), str(union))
     agreement = _agree(union, digest, error, facts, options.exchange_timeout)
-    agreed = _check_agreement(union, agreement.facts)
+    agreed = check_move_agreement(union, agreement.facts)
     return _Request(union, me, agreed, digest, definition, sharders, device)
 
 
@@ -816,7 +541,7 @@ def _build_on_new_group(
     if new_env is not None:
         try:
             assert request.definition is not None
-            new_model = _build(
+            new_model = build_model(
                 request.definition, new_env, new_plan, request.sharders, request.device
             )
             dense = [
@@ -837,7 +562,7 @@ def _build_on_new_group(
         )
     except BaseException:
         if new_model is not None:
-            _release(new_model)
+            release_model(new_model)
         raise
     return new_model, built
 
@@ -870,11 +595,11 @@ def _move_state(
             apply_table_facts(adapter_for(module).lookups(), agreed.table_facts[path])
     plan = request.transfers(new_plan)
     report.tables = len(plan.new_layouts)
-    _move_tables(
-        plan, _fields(agreed), old_slots, new_slots, me, group, options, report
+    move_tables(
+        plan, move_fields(agreed), old_slots, new_slots, me, group, options, report
     )
     del old_slots, new_slots
-    report.dense_bytes = _broadcast_dense(
+    report.dense_bytes = broadcast_dense(
         agreed.dense,
         dense_tensors(model.module) if me == src else None,
         dense_tensors(new_model.module) if new_model is not None else None,
@@ -966,7 +691,7 @@ def move_model(
     except Exception as e:
         close_exchange_group(group)
         if new_model is not None:
-            _release(new_model)
+            release_model(new_model)
         raise ReshardAbortedError(
             f"rank {request.me}: moving the model failed ({type(e).__name__}: "
             f"{e}); the model on the old group is unchanged"
@@ -974,7 +699,7 @@ def move_model(
     close_exchange_group(group)
 
     if model is not None:
-        _release(model)
+        release_model(model)
     new_optimizer: Optional[KeyedOptimizer] = None
     if new_model is not None and make_optimizer is not None:
         new_optimizer = make_optimizer(new_model)
@@ -1054,7 +779,7 @@ def dry_run_move(
         "dry_run_move",
     )
     plan = request.transfers(new_plan)
-    fields = _fields(request.agreed)
+    fields = move_fields(request.agreed)
     union = request.union
     sent = {r: 0 for r in union}
     received = {r: 0 for r in union}
@@ -1073,225 +798,3 @@ def dry_run_move(
         for _, shape, dtype in request.agreed.dense
     )
     return MoveDryRun(moved, sent, received, dense)
-
-
-def unshard_model(
-    model: nn.Module,
-    dst: int = 0,
-    optimizer_state: bool = False,
-    options: Optional[ReshardOptions] = None,
-) -> Optional[UnshardedModel]:
-    """
-    Gathers every sharded module of a model onto one rank as plain, unsharded
-    ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules holding every
-    weight (for inference or export), by one exchange; the model is unchanged.
-    Every rank of the model's group calls it.
-
-    Args:
-        model (DistributedModelParallel): the sharded model.
-        dst (int): the group-local rank that gets the modules.
-        optimizer_state (bool): also gather the fused optimizer state.
-        options (Optional[ReshardOptions]): in-flight cap and timeout.
-
-    Returns:
-        Optional[UnshardedModel]: the modules on ``dst``, None elsewhere.
-
-    Raises:
-        ReshardError: on every rank, for a bad request.
-        ReshardAbortedError: on every calling rank when a rank does not join in
-            time or the exchange fails.
-    """
-    options = options or ReshardOptions()
-    group_ranks = dist.get_process_group_ranks(model._env.process_group)
-    me = dist.get_rank()
-    error: Optional[str] = None
-    if not 0 <= dst < len(group_ranks):
-        error = f"rank {dst} is outside the model's group of {len(group_ranks)}"
-    facts = _model_facts(model, None)
-    facts.new_ranks = group_ranks  # gathered within the model's own group
-    agreement = _agree(
-        group_ranks,
-        _digest("unshard", str(dst), str(optimizer_state)),
-        error,
-        facts,
-        options.exchange_timeout,
-    )
-    agreed = _check_agreement(group_ranks, agreement.facts)
-    fields = _fields(agreed)
-    if not optimizer_state:
-        fields = {k: [f for f in v if f.name == "weight"] for k, v in fields.items()}
-    target = group_ranks[dst]
-    plan = _transfers(
-        plan_layouts(agreed.old_plan, agreed.tables, group_ranks),
-        _whole_on(agreed.tables, target),
-        group_ranks,
-    )
-    modules: Dict[str, nn.Module] = {}
-    state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = {}
-    if me == target:
-        for path, module in sharded_modules(model.module).items():
-            modules[path] = _plain_twin(module, torch.device("meta")).to_empty(
-                device=torch.device("cpu")
-            )
-    report = MoveReport(me, "destination" if me == target else "source")
-    group = open_exchange_group_among(
-        group_ranks, agreement.transaction, options.exchange_timeout
-    )
-    try:
-        _move_tables(
-            plan,
-            fields,
-            sharded_slots(model.module),
-            _plain_slots(modules, fields, state if optimizer_state else None),
-            group_ranks.index(me),
-            group,
-            options,
-            report,
-        )
-        dist.barrier(group=group)
-    except Exception as e:
-        close_exchange_group(group)
-        raise ReshardAbortedError(
-            f"rank {me}: gathering the model failed ({type(e).__name__}: {e})"
-        ) from e
-    close_exchange_group(group)
-    return UnshardedModel(modules, state) if me == target else None
-
-
-def shard_from_rank(
-    module: nn.Module,
-    plan: ShardingPlan,
-    env: ShardingEnv,
-    src: int = 0,
-    sharders: Optional[List[Any]] = None,
-    device: Optional[torch.device] = None,
-    options: Optional[ReshardOptions] = None,
-) -> nn.Module:
-    """
-    Shards a model whose weights only one rank holds (e.g. pretrained
-    embeddings loaded there) onto the group, by one exchange: ``src`` passes
-    the model with its weights, every other rank its definition (meta device is
-    enough) and never reads the weights. Every rank of ``env``'s group calls it.
-
-    Args:
-        module (nn.Module): the unsharded model (with weights on ``src``).
-        plan (ShardingPlan): the plan on the group.
-        env (ShardingEnv): the group's environment.
-        src (int): the group-local rank that holds the weights.
-        sharders (Optional[List[ModuleSharder]]): the sharders.
-        device (Optional[torch.device]): the device (default: CPU).
-        options (Optional[ReshardOptions]): in-flight cap and timeout.
-
-    Returns:
-        DistributedModelParallel: the sharded model, every table and dense
-        tensor equal to ``src``'s, fused optimizer state fresh (zero).
-
-    Raises:
-        ReshardError: on every rank, for a bad request (plan, definitions).
-        ReshardAbortedError: on every calling rank when a rank does not join in
-            time or the exchange fails.
-    """
-    options = options or ReshardOptions()
-    device = device or torch.device("cpu")
-    group_ranks = dist.get_process_group_ranks(env.process_group)
-    me = dist.get_rank()
-    source = group_ranks[src] if 0 <= src < len(group_ranks) else -1
-    error: Optional[str] = None
-    defined: Optional[Dict[str, List[TableShape]]] = None
-    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
-    try:
-        if source < 0:
-            raise ReshardError(f"rank {src} is outside the group of {len(group_ranks)}")
-        defined = _defined_tables(module, plan)
-        _validate_new_plan(plan, defined, len(group_ranks), device.type)
-        if me == source:
-            dense = [
-                (n, tuple(t.shape), str(t.dtype))
-                for n, t in _plain_dense(module, plan).items()
-            ]
-    except ReshardError as e:
-        error = str(e)
-    agreement = _agree(
-        group_ranks,
-        _digest("shard_from_rank", _plan_text(plan), str(src)),
-        error,
-        (defined, dense),
-        options.exchange_timeout,
-    )
-    tables = agreement.facts[group_ranks.index(source)][0]
-    for rank, (other, _) in zip(group_ranks, agreement.facts):
-        if other != tables:
-            raise ReshardError(
-                f"the model definition of rank {rank} has the tables {other}, "
-                f"rank {source}'s {tables}"
-            )
-    dense_specs = agreement.facts[group_ranks.index(source)][1]
-    plain = {p: module.get_submodule(p) for p in plan.plan} if me == source else {}
-    source_dense = (
-        {n: t.detach().clone() for n, t in _plain_dense(module, plan).items()}
-        if me == source
-        else None
-    )
-    error = None
-    new_model: Optional[nn.Module] = None
-    try:
-        new_model = _build(module, env, plan, sharders, device)
-    except Exception as e:
-        error = f"sharding the model failed: {type(e).__name__}: {e}"
-    built = _agree(group_ranks, _digest("built"), error, None, options.exchange_timeout)
-    assert new_model is not None
-    fields = {
-        _key(path, name): [
-            Field("weight", FieldKind.RECT, _weight_dtype(new_model, path, name))
-        ]
-        for path, shapes in tables.items()
-        for name, _, _ in shapes
-    }
-    transfers = _transfers(
-        _whole_on(tables, source), plan_layouts(plan, tables, group_ranks), group_ranks
-    )
-    report = MoveReport(me, "source" if me == source else "destination")
-    group = open_exchange_group_among(
-        group_ranks, built.transaction, options.exchange_timeout
-    )
-    try:
-        _move_tables(
-            transfers,
-            fields,
-            _plain_slots(plain, fields, None),
-            sharded_slots(new_model.module),
-            group_ranks.index(me),
-            group,
-            options,
-            report,
-        )
-        report.dense_bytes = _broadcast_dense(
-            dense_specs,
-            source_dense,
-            dense_tensors(new_model.module),
-            group_ranks.index(source),
-            group,
-        )
-        dist.barrier(group=group)
-    except Exception as e:
-        close_exchange_group(group)
-        _release(new_model)
-        raise ReshardAbortedError(
-            f"rank {me}: sharding from rank {src} failed ({type(e).__name__}: {e})"
-        ) from e
-    close_exchange_group(group)
-    return new_model
-
-
-def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tensor]:
-    """The parameters and buffers of an unsharded model outside planned modules."""
-    paths = list(plan.plan)
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
-    return dict(sorted((n, t) for n, t in tensors if _is_dense(n, paths)))
-
-
-def _weight_dtype(model: nn.Module, path: str, table: str) -> torch.dtype:
-    """The dtype a table's weight travels in (every rank knows its config)."""
-    adapter = adapter_for(sharded_modules(model.module)[path])
-    config = adapter.module._table_name_to_config[table]
-    return data_type_to_dtype(config.data_type)

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Moves between groups that must be refused, the same on every rank and before
+anything moves: shards placed outside the new group, ranks disagreeing about
+the new group, a participant that never calls (bounded by the exchange
+timeout), a joining rank whose definition differs. The model keeps every
+weight.
+"""
+
+import unittest
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.resharding import ReshardAbortedError, ReshardError
+from torchrec.distributed.resharding.elastic import move_model
+from torchrec.distributed.test_utils.reshard_utils import (
+    global_weights,
+    make_plan,
+    process_group,
+    ReshardTestBase,
+)
+from torchrec.distributed.tests.test_elastic import (
+    _definition,
+    _plan,
+    _sharders,
+    GROUPS,
+    WORLD,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+
+def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
+    with process_group(rank, world_size, port, timeout_s=60) as (world, device):
+        groups = {tuple(g): dist.new_group(g) for g in GROUPS}
+        envs = {
+            g: ShardingEnv.from_process_group(pg) if rank in g else None
+            for g, pg in groups.items()
+        }
+        old, new = (0, 1, 2, 3), (0, 1)
+        env = envs[old]
+        assert env is not None
+        model = DistributedModelParallel(
+            _definition(),
+            env=env,
+            device=device,
+            plan=_plan(4, 0),
+            sharders=_sharders(),
+        )
+        model.load_state_dict(_definition("cpu").state_dict())
+        before = global_weights(model, groups[old])
+        options_timeout = timedelta(seconds=4)
+
+        def attempt(plan: ShardingPlan, **kwargs: Any) -> str:
+            from torchrec.distributed.resharding import ReshardOptions
+
+            try:
+                move_model(
+                    model,
+                    plan,
+                    envs[new],
+                    participants=[0, 1, 2, 3],
+                    options=ReshardOptions(exchange_timeout=options_timeout),
+                    **kwargs,
+                )
+            except (ReshardError, ReshardAbortedError) as e:
+                return f"{type(e).__name__}: {e}"
+            return "moved"
+
+        # shards placed on a rank outside the new group (rank 3 of 2)
+        outside = _plan(2, 0)
+        outside.plan["ebc"]["t1"] = make_plan(
+            _definition("cpu").ebc, {"t1": ("table_wise", 3)}, 4, 4, "fused"
+        )["t1"]
+        outcome = attempt(outside)
+        assert outcome.startswith("ReshardError") and "t1" in outcome, outcome
+
+        # ranks disagreeing about the new group
+        skewed = envs[(0, 1, 2)] if rank == 0 else envs[new]
+        try:
+            move_model(
+                model,
+                _plan(2, 0),
+                skewed if rank in (0, 1) else None,
+                participants=[0, 1, 2, 3],
+            )
+        except ReshardError as e:
+            assert "different" in str(e) or "new group" in str(e), e
+        else:
+            raise AssertionError("disagreeing groups must be refused")
+
+        # a participant that does not call: rank 3 idles past the timeout
+        if rank != 3:
+            outcome = attempt(_plan(2, 0))
+            assert outcome.startswith("ReshardAbortedError"), outcome
+        else:
+            import time
+
+            time.sleep(options_timeout.total_seconds() * 1.5)
+
+        # nothing was lost: the model still has every weight
+        after = global_weights(model, groups[old])
+        for key in before:
+            assert torch.equal(before[key], after[key]), key
+        dist.barrier()
+
+
+def _run_bad_definition(rank: int, world_size: int, port: str) -> None:
+    with process_group(rank, world_size, port, timeout_s=60) as (world, device):
+        groups = {tuple(g): dist.new_group(g) for g in GROUPS}
+        envs = {
+            g: ShardingEnv.from_process_group(pg) if rank in g else None
+            for g, pg in groups.items()
+        }
+        model = None
+        if rank in (0, 1):
+            env = envs[(0, 1)]
+            assert env is not None
+            model = DistributedModelParallel(
+                _definition(),
+                env=env,
+                device=device,
+                plan=_plan(2, 0),
+                sharders=_sharders(),
+            )
+        # rank 3 joins with a definition whose table t3 has other rows
+        definition = _definition(ebc_rows=[24, 27, 30, 99] if rank == 3 else None)
+        try:
+            move_model(
+                model,
+                _plan(4, 0),
+                envs[(0, 1, 2, 3)],
+                participants=[0, 1, 2, 3],
+                definition=definition if rank >= 2 else None,
+                sharders=_sharders() if rank >= 2 else None,
+            )
+        except ReshardError as e:
+            assert "rank 3" in str(e) and "t3" in str(e), e
+        else:
+            raise AssertionError("a differing definition must be refused")
+
+
+class ElasticBadInputTest(ReshardTestBase):
+    def test_bad_moves(self) -> None:
+        self.run_ranks(_run_bad_moves, world_size=WORLD)
+
+    def test_differing_definition(self) -> None:
+        self.run_ranks(_run_bad_definition, world_size=WORLD)
+
+
+if __name__ == "__main__":
+    unittest.main()
