@@ -35,7 +35,7 @@ import sys
 import traceback
 import warnings
 from datetime import timedelta
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     OPTIMIZERS,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -69,8 +69,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 EBC = "model.sparse_arch.embedding_bag_collection"
 DENSE_IN = 4
-# full weights by state-dict key, full fused optimizer state by (key, state name)
-GlobalState = Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor]]
 INT_OPTIONS: List[Tuple[str, int, str]] = [
     ("--world-size", 2, "ranks to spawn when not under torchrun"),
     ("--num-tables", 4, "embedding tables, at least 3"),
@@ -114,14 +112,7 @@ def say(msg: str) -> None:
 
 
 def build_dlrm(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
-    """
-    Args:
-        args (argparse.Namespace): the options.
-        device (torch.device): "meta" for the planner, else CPU.
-
-    Returns:
-        DLRMTrain: the same weights on every rank (one seed).
-    """
+    """The DLRM on ``device`` ("meta" for the planner), the same on every rank."""
     torch.manual_seed(0)
     tables = [
         EmbeddingBagConfig(
@@ -159,38 +150,19 @@ def make_batches(args: argparse.Namespace, rank: int) -> List[Batch]:
     return batches
 
 
-def constraints(
-    args: argparse.Namespace, shifted: bool
-) -> Dict[str, ParameterConstraints]:
-    """
-    Before the shift every table is table-wise with 2 ids per sample. After it,
-    t0 (20 ids) and t1 (8 ids) are hot and must spread over column shards, and
-    the last table's traffic grew to 30 ids.
-
-    Returns:
-        Dict[str, ParameterConstraints]: per table.
-    """
-
-    def one(kind: str, ids: float) -> ParameterConstraints:
-        return ParameterConstraints(
-            sharding_types=[kind],
-            compute_kernels=["fused"],
-            pooling_factors=[ids],
-            min_partition=args.dim // 2,
-        )
-
-    out = {f"t{i}": one("table_wise", 2.0) for i in range(args.num_tables)}
-    if shifted:
-        out["t0"] = one("column_wise", 20.0)
-        out["t1"] = one("table_column_wise", 8.0)
-        out[f"t{args.num_tables - 1}"] = one("table_wise", 30.0)
-    return out
-
-
 def make_plan(
     args: argparse.Namespace, sharder: EmbeddingBagCollectionSharder, shifted: bool
 ) -> ShardingPlan:
-    """The planner's plan for the load (rank 0 plans, every rank gets it)."""
+    """
+    The planner's plan for the load (rank 0 plans, every rank gets it). Before
+    the shift every table is table-wise with 2 ids per sample. After it, t0 (20
+    ids) and t1 (8 ids) are hot and must spread over column shards, and the
+    last table's traffic grew to 30 ids.
+    """
+    load = {f"t{i}": ("table_wise", 2.0) for i in range(args.num_tables)}
+    if shifted:
+        load.update(t0=("column_wise", 20.0), t1=("table_column_wise", 8.0))
+        load[f"t{args.num_tables - 1}"] = ("table_wise", 30.0)
     planner = EmbeddingShardingPlanner(
         topology=Topology(
             world_size=dist.get_world_size(),
@@ -198,7 +170,15 @@ def make_plan(
             local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
         ),
         batch_size=args.batch_size,
-        constraints=constraints(args, shifted),
+        constraints={
+            table: ParameterConstraints(
+                sharding_types=[kind],
+                compute_kernels=["fused"],
+                pooling_factors=[ids],
+                min_partition=args.dim // 2,
+            )
+            for table, (kind, ids) in load.items()
+        },
     )
     return planner.collective_plan(
         build_dlrm(args, torch.device("meta")), [sharder], dist.group.WORLD
@@ -219,16 +199,9 @@ def build_model(
     plan: ShardingPlan,
     device: torch.device,
 ) -> Tuple[DistributedModelParallel, CombinedOptimizer]:
-    """
-    Returns:
-        Tuple[DistributedModelParallel, CombinedOptimizer]: the model sharded
-        with ``plan`` and its optimizer (fused for the tables, SGD for the
-        dense part).
-    """
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    """The model sharded with ``plan``, its optimizer (fused + dense SGD)."""
     model = DistributedModelParallel(
         build_dlrm(args, torch.device("cpu")),
-        env=env,
         device=device,
         plan=plan,
         sharders=[sharder],
@@ -252,9 +225,6 @@ def all_reduce_each_gradient(
     value lies in the buffer, and DDP repacks its buckets after the first
     steps: without this hook a fresh reference would differ from the running
     model in the last bits of the dense part, reshard or not.
-
-    Returns:
-        torch.futures.Future[torch.Tensor]: the bucket's mean gradients.
     """
     for grad in bucket.gradients():  # views into bucket.buffer()
         dist.all_reduce(grad)
@@ -270,95 +240,20 @@ def everywhere(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def same_state(a: DistributedModelParallel, b: DistributedModelParallel) -> bool:
-    """Bit-for-bit equal state dicts and fused optimizer states (this rank)."""
-    try:
-        assert_state_dicts_equal(a.state_dict(), b.state_dict())
-        assert_optimizer_states_equal(a, b)
-    except AssertionError as e:
-        sys.stdout.write(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}\n")
-        sys.stdout.flush()
-        return False
-    return True
-
-
-def train_under_plan_a(
-    args: argparse.Namespace,
-    sharder: EmbeddingBagCollectionSharder,
-    batches: Iterator[Batch],
-    device: torch.device,
-) -> Tuple[DistributedModelParallel, TrainPipelineSparseDist]:
-    """Phase 1: the planner's plan A, the model, its pipeline, the first steps."""
-    plan_a = make_plan(args, sharder, shifted=False)
-    say("phase 1/5 plan A from the planner:\n" + describe(plan_a))
-    model, optimizer = build_model(args, sharder, plan_a, device)
-    pipeline = TrainPipelineSparseDist(model, optimizer, device)
-    for step in range(args.steps_before):
-        loss = pipeline.progress(batches)[0]
-        say(f"    step {step}  loss (rank 0) {loss.item():.6f}")
-    return model, pipeline
-
-
-def show_dry_run(model: DistributedModelParallel, plan_b: ShardingPlan) -> None:
-    """Phase 3: what a reshard to ``plan_b`` would move, moving nothing."""
-    preview = dry_run(model, plan_b)
-    for path, tables in preview.tables_moved.items():
-        say(f"phase 3/5 dry run: {path} would move {', '.join(tables)}")
-    for r in sorted(preview.bytes_sent):
-        say(
-            f"    rank {r}: would send {preview.bytes_sent[r]} B, "
-            f"receive {preview.bytes_received.get(r, 0)} B"
-        )
-
-
-def reshard_live(
-    args: argparse.Namespace, model: DistributedModelParallel, plan_b: ShardingPlan
-) -> None:
-    """Phase 4: move the tables in place and print every rank's report."""
-    options = ReshardOptions(
-        exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
-    )
-    report = model.reshard(plan_b, options)
-    reports: List[ModelReshardReport] = [report] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
-    moved = sorted({t for r in reports for ts in r.tables_moved.values() for t in ts})
-    say(f"phase 4/5 resharded live: tables moved: {', '.join(moved) or 'none'}")
-    for r in reports:
-        say(
-            f"    rank {r.rank}: sent {r.bytes_sent} B, received {r.bytes_received} B "
-            f"in {r.seconds:.3f} s"
-        )
-
-
-def gather_state(model: DistributedModelParallel) -> GlobalState:
-    """
-    Returns:
-        GlobalState: every rank's full view of the weights (the tables and the
-        replicated dense part) and of the fused optimizer state (the dense SGD
-        has none).
-    """
-    weights = global_weights(model, dist.group.WORLD)
-    shapes = {key: (w.shape[0], w.shape[-1]) for key, w in weights.items()}
-    return weights, global_optimizer_state(model, dist.group.WORLD, shapes)
-
-
 def matches_reference(
     args: argparse.Namespace,
     sharder: EmbeddingBagCollectionSharder,
     model: DistributedModelParallel,
     live_losses: List[torch.Tensor],
-    state: GlobalState,
+    state: Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor]],
     batches: List[Batch],
     device: torch.device,
 ) -> bool:
     """
     A reference sharded directly with the model's (new) plan, loaded with
-    ``state``, trains on ``batches`` with a plain loop (the pipeline's order of
-    operations).
-
-    Returns:
-        bool: on every rank, the same loss at every step, bit for bit, and the
-        same final weights and optimizer state.
+    ``state`` (weights, fused optimizer state), trains on ``batches`` with a
+    plain loop (the pipeline's order of operations). True iff, on every rank,
+    every loss and the final weights and optimizer state are bit-identical.
     """
     reference, optimizer = build_model(args, sharder, model.plan, device)
     weights, optimizer_state = state
@@ -367,7 +262,7 @@ def matches_reference(
         table.copy_(torch.nextafter(table, table + 1))  # one ulp up, every row
     load_global_state(reference, weights, optimizer_state)
     exact = True
-    for step, (batch, live) in enumerate(zip(batches, live_losses)):
+    for step, (batch, live) in enumerate(zip(batches, live_losses), args.steps_before):
         optimizer.zero_grad()
         loss, _ = reference(batch.to(device))
         loss.backward()
@@ -375,10 +270,17 @@ def matches_reference(
         same = everywhere(torch.equal(live, loss.detach()), device)
         exact = exact and same
         say(
-            f"    step {args.steps_before + step}  loss (rank 0) {live.item():.9f}  "
+            f"    step {step}  loss (rank 0) {live.item():.9f}  "
             f"reference {loss.item():.9f}  {'bit-identical' if same else 'DIFFERENT'}"
         )
-    return everywhere(same_state(model, reference), device) and exact
+    try:  # the one shared oracle of the resharding tests
+        assert_state_dicts_equal(model.state_dict(), reference.state_dict())
+        assert_optimizer_states_equal(model, reference)
+        same = True
+    except AssertionError as e:
+        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
+        same = False
+    return everywhere(same, device) and exact
 
 
 def demo(args: argparse.Namespace, device: torch.device) -> int:
@@ -393,16 +295,47 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
     )
     batches = make_batches(args, dist.get_rank())
     stream = iter(batches)
-    model, pipeline = train_under_plan_a(args, sharder, stream, device)
+
+    plan_a = make_plan(args, sharder, shifted=False)
+    say("phase 1/5 plan A from the planner:\n" + describe(plan_a))
+    model, optimizer = build_model(args, sharder, plan_a, device)
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    for step in range(args.steps_before):
+        loss = pipeline.progress(stream)[0]
+        say(f"    step {step}  loss (rank 0) {loss.item():.6f}")
 
     plan_b = make_plan(args, sharder, shifted=True)
     say(
         f"phase 2/5 the load shifts (t0, t1 hot, t{args.num_tables - 1} busier); "
         "plan B from the planner:\n" + describe(plan_b)
     )
-    show_dry_run(model, plan_b)
-    state = gather_state(model)  # for the reference, right before
-    reshard_live(args, model, plan_b)
+
+    preview = dry_run(model, plan_b)  # moves nothing
+    for path, tables in preview.tables_moved.items():
+        say(f"phase 3/5 dry run: {path} would move {', '.join(tables)}")
+    for r in sorted(preview.bytes_sent):
+        say(
+            f"    rank {r}: would send {preview.bytes_sent[r]} B, "
+            f"receive {preview.bytes_received.get(r, 0)} B"
+        )
+
+    # Full weights and fused optimizer state, for the reference, right before.
+    weights = global_weights(model, dist.group.WORLD)
+    shapes = {key: (w.shape[0], w.shape[-1]) for key, w in weights.items()}
+    state = weights, global_optimizer_state(model, dist.group.WORLD, shapes)
+    options = ReshardOptions(
+        exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
+    )
+    report = model.reshard(plan_b, options)
+    reports: List[ModelReshardReport] = [report] * dist.get_world_size()
+    dist.all_gather_object(reports, report)
+    moved = sorted({t for r in reports for ts in r.tables_moved.values() for t in ts})
+    say(f"phase 4/5 resharded live: tables moved: {', '.join(moved) or 'none'}")
+    for r in reports:
+        say(
+            f"    rank {r.rank}: sent {r.bytes_sent} B, received {r.bytes_received} B "
+            f"in {r.seconds:.3f} s"
+        )
 
     say(f"phase 5/5 train {args.steps_after} more steps with the same pipeline")
     live = [pipeline.progress(stream)[0].detach() for _ in range(args.steps_after)]
@@ -422,10 +355,8 @@ def run_rank(args: argparse.Namespace) -> int:
     try:
         device, backend = torch.device("cpu"), "gloo"
         if args.backend == "nccl":  # the check gathers CPU tensors: gloo for those
-            device, backend = (
-                torch.device("cuda", int(os.environ["LOCAL_RANK"])),
-                "cpu:gloo,cuda:nccl",
-            )
+            device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+            backend = "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
         return demo(args, device)
@@ -437,13 +368,9 @@ def run_rank(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
 
 
-def spawned(rank: int, args: argparse.Namespace, port: int) -> None:
-    """One spawned rank: the environment torchrun would set, then the demo."""
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    for name in ("RANK", "LOCAL_RANK"):
-        os.environ[name] = str(rank)
-    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        os.environ[name] = str(args.world_size)
+def spawned(rank: int, args: argparse.Namespace) -> None:
+    """One spawned rank: the rest of torchrun's environment, then the demo."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     sys.exit(run_rank(args))
 
 
@@ -454,11 +381,14 @@ def main() -> int:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
         os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
         return run_rank(args)
-    with socket.socket() as s:
+    with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("localhost", 0))
-        port = s.getsockname()[1]
+        port = str(s.getsockname()[1])
+    size = str(args.world_size)
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=port)
+    os.environ.update(WORLD_SIZE=size, LOCAL_WORLD_SIZE=size)
     try:
-        mp.spawn(spawned, args=(args, port), nprocs=args.world_size)
+        mp.spawn(spawned, args=(args,), nprocs=args.world_size)
     except mp.ProcessExitedException as e:  # a rank returned 1 or 2
         return 1 if e.exit_code == 1 else 2
     except mp.ProcessRaisedException:  # printed by the rank
