@@ -1,4 +1,12 @@
 #!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
 """End-to-end run of the fork on 2 gloo ranks (CPU).
 
 Shards an EmbeddingBagCollection table-wise, column-wise, row-wise and

@@ -26,10 +26,7 @@ from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import table_fused_params
 from torchrec.distributed.resharding.install import ShardedModuleAdapter
-from torchrec.distributed.resharding.kernel_state import (
-    batched_kernels,
-    local_slots,
-)
+from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.resharding.plan import (
     describe_parameter_sharding,
     Rect,

@@ -15,8 +15,17 @@ and how a transferred piece is read from an old slot and written into a new one.
 """
 
 from dataclasses import dataclass
-from typing import AbstractSet, Any, Dict, Iterator, List, Mapping, Optional, Sequence
-from typing import Tuple
+from typing import (
+    AbstractSet,
+    Any,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 from torch import nn

@@ -149,7 +149,9 @@ def shards_all_to_all(
         state_dict, changed_sharding_params, extend_shard_name, world_size
     )
     fields = {
-        name: [Field("weight", FieldKind.RECT, _dtype(state_dict[extend_shard_name(name)]))]
+        name: [
+            Field("weight", FieldKind.RECT, _dtype(state_dict[extend_shard_name(name)]))
+        ]
         for name in changed_sharding_params
     }
     sources = {
@@ -301,4 +303,3 @@ def _as_state_value(
         ),
         process_group=process_group,
     )
-

@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 EmbeddingCollection-specific test helpers for live resharding; the generic
 ones (plans, global state gathered with collectives, comparisons) are in

@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Test helpers for live resharding: plans from compact specs, a global view of a
 sharded EBC's weights and fused optimizer state (gathered with collectives,

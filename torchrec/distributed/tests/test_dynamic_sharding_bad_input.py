@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Bad resharding requests: every rank raises the same ReshardError naming the
 table and the reason, before any data moves; the module is unchanged and keeps

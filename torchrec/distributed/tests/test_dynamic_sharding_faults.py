@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Faults during the shard exchange: a rank raising in the middle of it, and a
 rank stalling past the exchange timeout. Every rank must raise

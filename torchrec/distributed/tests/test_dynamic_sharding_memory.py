@@ -89,7 +89,9 @@ def _random_plans(count: int, world_size: int) -> List[Dict[str, TableSpec]]:
     def one() -> Dict[str, TableSpec]:
         plan: Dict[str, TableSpec] = {}
         for i in range(NUM_TABLES):
-            kind = rng.choice(["table_wise", "column_wise", "row_wise", "data_parallel"])
+            kind = rng.choice(
+                ["table_wise", "column_wise", "row_wise", "data_parallel"]
+            )
             if kind == "table_wise":
                 plan[f"t{i}"] = (kind, rng.randrange(world_size))
             elif kind == "column_wise":
@@ -143,9 +145,13 @@ def _run_memory(rank: int, world_size: int, port: str) -> None:
             reshard_rss = _rss() - rss
             reshard_malloc = (_malloc_in_use() or 0) - (malloc or 0)
             import os
+
             if os.environ.get("TRIM_EXP"):
                 ctypes.CDLL(None).malloc_trim(0)
-                print(f"rank {rank}: after malloc_trim growth {(_rss() - rss) / 2**20:.1f} MiB", file=sys.stderr)
+                print(
+                    f"rank {rank}: after malloc_trim growth {(_rss() - rss) / 2**20:.1f} MiB",
+                    file=sys.stderr,
+                )
         finally:
             gc.enable()
 

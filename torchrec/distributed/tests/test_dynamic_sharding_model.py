@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Model-level resharding: a DistributedModelParallel model with two EBCs and an
 EC, trained under plan A, resharded with ``DistributedModelParallel.reshard``

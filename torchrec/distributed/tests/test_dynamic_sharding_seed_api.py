@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Multi-process tests of the state-dict level seed API in
 ``torchrec.distributed.sharding.dynamic_sharding``: ``shards_all_to_all``

@@ -25,8 +25,8 @@ import io
 import tempfile
 import threading
 import unittest
-from unittest import mock
 from typing import Any, Dict, List, Set, Tuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist

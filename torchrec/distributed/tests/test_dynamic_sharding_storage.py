@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Multi-process tests of how a reshard treats the memory of tables that stay put
 (``torchrec.distributed.resharding.storage``): on CPU their kernels keep the old

@@ -33,11 +33,11 @@ from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
-from torch.distributed import _remote_device
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
     BoundsCheckMode,
     CacheAlgorithm,
 )
+from torch.distributed import _remote_device
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
     reshard_module,
@@ -203,9 +203,7 @@ def _kernel_options(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for lookup in module._lookups:
         for batched in batched_kernels(lookup):
-            attrs = {
-                a: getattr(batched.emb_module, a, None) for a in KERNEL_ATTRIBUTES
-            }
+            attrs = {a: getattr(batched.emb_module, a, None) for a in KERNEL_ATTRIBUTES}
             for table in batched.config.embedding_tables:
                 out[table.name] = attrs
     return out

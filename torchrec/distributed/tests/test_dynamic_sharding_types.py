@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 Resharding between every EBC sharding type (TW, CW, TWCW, RW, TWRW, GRID, DP),
 with type changes, shard-count changes, several tables changing in different

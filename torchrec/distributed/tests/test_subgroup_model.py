@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 A model on a sub-group of the world: ``DistributedModelParallel`` over the
 groups [0, 1], [2, 3] (at the same time) and then [0, 1, 2] of a 4-rank gloo

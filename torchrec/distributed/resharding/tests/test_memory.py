@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 One-process tests of ``memory``: giving the pages of CPU memory outside the
 ranges still in use back to the OS (checked against ``mincore`` and the

@@ -5,6 +5,8 @@
 # This source code is licensed under the BSD-style license found in the
 # LICENSE file in the root directory of this source tree.
 
+# pyre-strict
+
 """
 One-process tests of ``storage``: the batch keys that split a rebuilt group
 into kernels of kept and of changed tables, and the cap on kernels per group.
