@@ -50,6 +50,7 @@ from typing import (
     Mapping,
     Optional,
     Sequence,
+    Set,
     Tuple,
 )
 
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.resharding.exchange import (
     agree_among,
     Agreement,
@@ -68,9 +70,12 @@ from torchrec.distributed.resharding.exchange import (
 )
 from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import (
+    batched_kernels,
+    kept_in_place,
     LocalSlot,
     read_piece,
     RowwiseMerges,
+    slot_bytes,
     SlotKey,
     target_piece,
     write_piece,
@@ -94,7 +99,15 @@ from torchrec.distributed.resharding.plan import (
     Transfer,
     validate_parameter_sharding,
 )
-from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.storage import (
+    BATCH_KEY,
+    KeptStorage,
+    MAX_KERNELS_PER_GROUP,
+    shard_key,
+    ShardKey,
+    storage_reuse_supported,
+    StorageMode,
+)
 from torchrec.distributed.resharding.transaction import ReshardOptions
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -123,7 +136,13 @@ class MoveReport:
         tables (int): tables moved.
         bytes_sent (int): table bytes this rank sent to other ranks.
         bytes_received (int): table bytes this rank received.
-        bytes_copied_locally (int): table bytes that stayed on this rank.
+        bytes_copied_locally (int): table bytes that stayed on this rank and
+            were copied into the new model.
+        bytes_kept_in_place (int): table bytes that stayed on this rank in the
+            same storage: the new model's kernels took over the old ones'
+            memory (nothing copied, see ``storage``).
+        bytes_released (int): bytes of departed tables' state given back to
+            the OS from storage that kept tables share.
         dense_bytes (int): bytes of dense parameters and buffers broadcast.
         seconds (float): wall time on this rank.
     """
@@ -134,6 +153,8 @@ class MoveReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_locally: int = 0
+    bytes_kept_in_place: int = 0
+    bytes_released: int = 0
     dense_bytes: int = 0
     seconds: float = 0.0
 
@@ -405,6 +426,7 @@ class _Facts:
     dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
     has_optimizer: bool = False
     pipelined: Optional[List[str]] = None
+    kept_runs: Optional[Dict[str, List[List[str]]]] = None
 
 
 def _plan_text(plan: ShardingPlan) -> str:
@@ -594,11 +616,20 @@ def _move_tables(
     options: ReshardOptions,
     report: MoveReport,
 ) -> None:
-    """Local copies and the exchange of every table's pieces (union ranks)."""
+    """
+    Local copies and the exchange of every table's pieces (union ranks).
+    Pieces whose new kernel took over the old storage (kept in place) are
+    neither copied nor written.
+    """
+    in_place = set(kept_in_place(old_slots, new_slots))
+    for key in in_place:
+        report.bytes_kept_in_place += slot_bytes(new_slots[key])
     merges = RowwiseMerges()
     with torch.no_grad():
-        zero_undelivered_state(new_slots, fields, set())
+        zero_undelivered_state(new_slots, fields, in_place)
         for transfer in plan.local_copies(rank):
+            if (transfer.table, transfer.dst_rect) in in_place:
+                continue  # the new kernel already holds it: same memory
             src = old_slots[(transfer.table, transfer.src_rect)]
             dst = new_slots[(transfer.table, transfer.dst_rect)]
             for f in fields[transfer.table]:
@@ -666,6 +697,252 @@ def _broadcast_dense(
     return total
 
 
+# ------------------------------------------------------------ kept storage
+
+
+@dataclass
+class _KeptRun:
+    """
+    Shards of tables whose layout a move leaves as it is, at consecutive
+    positions of one old batched kernel of a rank that stays: the new model's
+    kernel for them can be built on a view of the old kernel's storage.
+
+    Args:
+        path (str): the sharded module's path.
+        index (int): the run's number among this rank's runs of the module.
+        kernel (nn.Module): the old fbgemm kernel.
+        first (int): the position of the first shard in it.
+        shards (List[ShardKey]): the shards, in kernel order.
+    """
+
+    path: str
+    index: int
+    kernel: nn.Module
+    first: int
+    shards: List[ShardKey]
+
+
+def _unchanged_tables(
+    module: nn.Module,
+    path: str,
+    old_plan: ShardingPlan,
+    new_plan: ShardingPlan,
+    old_ranks: Sequence[int],
+    new_ranks: Sequence[int],
+) -> List[str]:
+    """
+    Tables of a sharded module that a move leaves exactly where they are: the
+    same shards on the same global ranks, the same sharding type and compute
+    kernel. Data-parallel tables are left out: building a module broadcasts
+    their weights over the new group, which would write into kept storage.
+    """
+    adapter = adapter_for(module)
+    out: List[str] = []
+    for config in adapter.configs():
+        name = config.name
+        old_ps, new_ps = old_plan.plan[path][name], new_plan.plan[path][name]
+        if (old_ps.sharding_type, old_ps.compute_kernel) != (
+            new_ps.sharding_type,
+            new_ps.compute_kernel,
+        ):
+            continue
+        rows, cols = adapter.table_shape(name)
+        old = layout_from_parameter_sharding(old_ps, rows, cols, len(old_ranks))
+        new = layout_from_parameter_sharding(new_ps, rows, cols, len(new_ranks))
+        old = old.remap_ranks(dict(enumerate(old_ranks)))
+        new = new.remap_ranks(dict(enumerate(new_ranks)))
+        if old == new and not old.replicated:
+            out.append(name)
+    return out
+
+
+def _kept_runs(
+    model: nn.Module,
+    new_plan: ShardingPlan,
+    new_ranks: Sequence[int],
+) -> List[_KeptRun]:
+    """
+    On a rank that stays, the runs of kept shards in its old kernels: maximal
+    runs of consecutive shards of unchanged tables, at most
+    ``MAX_KERNELS_PER_GROUP - 1`` per sharding group (the largest), so that
+    a group of the new model has at most ``MAX_KERNELS_PER_GROUP`` kernels.
+    """
+    old_ranks = dist.get_process_group_ranks(model._env.process_group)
+    out: List[_KeptRun] = []
+    for path, module in sharded_modules(model.module).items():
+        unchanged = set(
+            _unchanged_tables(module, path, model.plan, new_plan, old_ranks, new_ranks)
+        )
+        if not unchanged:
+            continue
+        runs: List[_KeptRun] = []
+        for _, _, lookup in adapter_for(module).groups():
+            group_runs: List[Tuple[int, _KeptRun]] = []
+            for batched in batched_kernels(lookup):
+                tables = list(batched.config.embedding_tables)
+                position = 0
+                while position < len(tables):
+                    if tables[position].name not in unchanged:
+                        position += 1
+                        continue
+                    first = position
+                    while position < len(tables) and tables[position].name in (
+                        unchanged
+                    ):
+                        position += 1
+                    run = tables[first:position]
+                    size = sum(t.local_rows * t.local_cols for t in run)
+                    shards = [shard_key(t) for t in run]
+                    group_runs.append(
+                        (size, _KeptRun(path, 0, batched.emb_module, first, shards))
+                    )
+            group_runs.sort(key=lambda x: -x[0])
+            runs += [run for _, run in group_runs[: MAX_KERNELS_PER_GROUP - 1]]
+        for index, run in enumerate(runs):
+            run.index = index
+        out += runs
+    return out
+
+
+def _run_facts(runs: Sequence[_KeptRun]) -> Dict[str, List[List[str]]]:
+    """What the other ranks need of a rank's kept runs: their tables."""
+    out: Dict[str, List[List[str]]] = {}
+    for run in runs:
+        out.setdefault(run.path, []).append([name for name, _ in run.shards])
+    return out
+
+
+def _batch_keys(
+    union: Sequence[int],
+    all_facts: Sequence[_Facts],
+    new_plan: ShardingPlan,
+    new_ranks: Sequence[int],
+) -> Dict[str, Dict[str, str]]:
+    """
+    The batch key (TorchRec's ``_batch_key`` grouping fused param) of every
+    table in a run of kept shards, the same on every rank: the runs it is in
+    (rank and number), so the shards of one run get a kernel of their own on
+    its rank and the tables of each new rank group alike everywhere. A module's
+    sharding group that would get more than ``MAX_KERNELS_PER_GROUP`` kernels
+    on a rank gets no keys (one kernel, kept tables copied).
+
+    Returns:
+        Dict[str, Dict[str, str]]: module path -> table -> batch key suffix.
+    """
+    runs: Dict[str, Dict[str, List[str]]] = {}
+    for rank, facts in zip(union, all_facts):
+        for path, path_runs in sorted((facts.kept_runs or {}).items()):
+            for index, tables in enumerate(path_runs):
+                for table in tables:
+                    ids = runs.setdefault(path, {}).setdefault(table, [])
+                    if f"{rank}.{index}" not in ids:
+                        ids.append(f"{rank}.{index}")
+    keys: Dict[str, Dict[str, str]] = {}
+    for path, tables in sorted(runs.items()):
+        path_keys = {
+            table: f"#move:{path}:{'+'.join(sorted(ids))}"
+            for table, ids in tables.items()
+        }
+        # kernels per (sharding type, new group-local rank)
+        kernels: Dict[Tuple[str, int], Set[str]] = {}
+        for table, ps in new_plan.plan[path].items():
+            for rank in set(ps.ranks or range(len(new_ranks))):
+                kernels.setdefault((ps.sharding_type, rank), set()).add(
+                    path_keys.get(table, "")
+                )
+        crowded = {
+            sharding_type
+            for (sharding_type, _), ks in kernels.items()
+            if len(ks) > MAX_KERNELS_PER_GROUP
+        }
+        keys[path] = {
+            table: key
+            for table, key in path_keys.items()
+            if new_plan.plan[path][table].sharding_type not in crowded
+        }
+    return keys
+
+
+class _MoveStorage(KeptStorage):
+    """
+    The kernel build hooks of a model built by a move: kernels skip their
+    initialisation (every byte is moved in), tables in runs of kept shards
+    get the agreed batch keys, and on a rank that stays the kernel of each such
+    run is built on a view of the old kernel's storage (nothing copied, the
+    old model unchanged: a move never writes kept pieces).
+    :meth:`KeptStorage.release` afterwards gives back the pages of departed
+    tables that nobody references.
+
+    Args:
+        definition (nn.Module): the unsharded model the new one is built from.
+        keys (Mapping[str, Mapping[str, str]]): module path -> table -> batch
+            key suffix (the same on every rank).
+        runs (Sequence[_KeptRun]): this rank's runs of kept shards (none on a
+            rank that joins).
+        old_batched (Sequence[nn.Module]): the old model's batched kernels.
+    """
+
+    def __init__(
+        self,
+        definition: nn.Module,
+        keys: Mapping[str, Mapping[str, str]],
+        runs: Sequence[_KeptRun],
+        old_batched: Sequence[nn.Module],
+    ) -> None:
+        super().__init__(old_batched, set(), reuse=bool(runs))
+        # the tables' parameters in the definition (held: their ids key _keys)
+        self._params: List[torch.Tensor] = []
+        self._keys: Dict[int, str] = {}
+        for path, table_keys in keys.items():
+            module = definition.get_submodule(path)
+            for table, key in table_keys.items():
+                param = _plain_weight(module, table)
+                self._params.append(param)
+                self._keys[id(param)] = key
+        # batch key -> (old kernel, first position, shards) of each kept run
+        self._runs: Dict[str, List[Tuple[nn.Module, int, List[ShardKey]]]] = {}
+        for run in runs:
+            table_keys = keys.get(run.path, {})
+            start = 0
+            for i in range(1, len(run.shards) + 1):
+                key = table_keys.get(run.shards[start][0])
+                if i < len(run.shards) and table_keys.get(run.shards[i][0]) == key:
+                    continue
+                if key is not None:
+                    self._runs.setdefault(key, []).append(
+                        (run.kernel, run.first + start, run.shards[start:i])
+                    )
+                start = i
+
+    def table_fused_params(
+        self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
+    ) -> Dict[str, Any]:
+        key = self._keys.get(id(param))
+        if key is None:
+            return fused_params
+        out = dict(fused_params)
+        out[BATCH_KEY] = f"{out.get(BATCH_KEY, '')}{key}"
+        return out
+
+    def _kept_run(
+        self, config: GroupedEmbeddingConfig, kernel_type: type
+    ) -> Optional[Tuple[nn.Module, int, int]]:
+        tables = list(config.embedding_tables)
+        keys = {str((t.fused_params or {}).get(BATCH_KEY, "")) for t in tables}
+        if len(keys) != 1:
+            return None
+        key = keys.pop().rpartition("#move:")
+        shards = [shard_key(t) for t in tables]
+        for kernel, first, run in self._runs.get("#move:" + key[2], []):
+            if run == shards and type(kernel) is kernel_type:
+                return kernel, first, len(shards)
+        return None
+
+    def release(self, module: nn.Module) -> int:
+        self._runs = {}  # the old kernels must not count as holders
+        return super().release(module)
+
+
 class _NoInit(KeptStorage):
     """Kernel build hooks of a model whose every byte is moved in."""
 
@@ -708,10 +985,12 @@ def _build(
     plan: ShardingPlan,
     sharders: Optional[List[Any]],
     device: torch.device,
+    hooks: Optional[KeptStorage] = None,
 ) -> nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    with kernel_build_hooks(_NoInit()), _tables_not_initialised(definition):
+    hooks = hooks if hooks is not None else _NoInit()
+    with kernel_build_hooks(hooks), _tables_not_initialised(definition):
         return DistributedModelParallel(
             definition,
             env=env,
@@ -742,6 +1021,8 @@ class _Request:
     definition: Optional[nn.Module]
     sharders: Optional[List[Any]]
     device: torch.device
+    kept: List[_KeptRun] = field(default_factory=list)
+    batch_keys: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -776,6 +1057,7 @@ def _agree_on_move(
     if device is None:
         device = model.device if model is not None else torch.device("cpu")
     facts = _Facts()
+    kept: List[_KeptRun] = []
     error: Optional[str] = None
     try:
         if me not in union:
@@ -796,28 +1078,78 @@ def _agree_on_move(
             _validate_new_plan(
                 new_plan, facts.defined_tables, len(facts.new_ranks), device.type
             )
+            if model is not None and _may_keep_storage(model, device, options):
+                try:
+                    kept = _kept_runs(model, new_plan, facts.new_ranks)
+                except Exception:  # an optimisation only: copy every piece
+                    logger.exception("model move: kept storage skipped")
+                    kept = []
+                facts.kept_runs = _run_facts(kept)
     except ReshardError as e:
         error = str(e)
     digest = _digest(kind, _plan_text(new_plan), str(union))
     agreement = _agree(union, digest, error, facts, options.exchange_timeout)
     agreed = _check_agreement(union, agreement.facts)
-    return _Request(union, me, agreed, digest, definition, sharders, device)
+    batch_keys = _batch_keys(union, agreement.facts, new_plan, agreed.new_ranks)
+    return _Request(
+        union, me, agreed, digest, definition, sharders, device, kept, batch_keys
+    )
+
+
+def _may_keep_storage(
+    model: nn.Module, device: torch.device, options: ReshardOptions
+) -> bool:
+    """Whether the new model on this rank may take over the old one's storage."""
+    return (
+        options.storage == StorageMode.REUSE
+        and device == model.device
+        and storage_reuse_supported(device)
+    )
+
+
+def _old_batched(model: Optional[nn.Module]) -> List[nn.Module]:
+    """The batched kernels of every sharded module of a model (none for None)."""
+    if model is None:
+        return []
+    return [
+        batched
+        for module in sharded_modules(model.module).values()
+        for lookup in adapter_for(module).lookups()
+        for batched in batched_kernels(lookup)
+    ]
 
 
 def _build_on_new_group(
     request: _Request,
+    model: Optional[nn.Module],
     new_env: Optional[ShardingEnv],
     new_plan: ShardingPlan,
     options: ReshardOptions,
-) -> Tuple[Optional[nn.Module], Agreement]:
-    """Phase 2: every rank of the new group builds the model; all agree it did."""
+) -> Tuple[Optional[nn.Module], Optional[_MoveStorage], Agreement]:
+    """
+    Phase 2: every rank of the new group builds the model; all agree it did.
+    Kernels of kept shards take over the old kernels' storage (see
+    :class:`_MoveStorage`); the returned hooks hold it until the move ends.
+    """
     new_model: Optional[nn.Module] = None
+    hooks: Optional[_MoveStorage] = None
     error: Optional[str] = None
     if new_env is not None:
         try:
             assert request.definition is not None
+            hooks = _MoveStorage(
+                request.definition,
+                request.batch_keys,
+                request.kept,
+                _old_batched(model) if request.kept else [],
+            )
             new_model = _build(
-                request.definition, new_env, new_plan, request.sharders, request.device
+                request.definition,
+                new_env,
+                new_plan,
+                request.sharders,
+                request.device,
+                hooks,
             )
             dense = [
                 (n, tuple(t.shape), str(t.dtype))
@@ -839,7 +1171,7 @@ def _build_on_new_group(
         if new_model is not None:
             _release(new_model)
         raise
-    return new_model, built
+    return new_model, hooks, built
 
 
 def _move_state(
@@ -954,7 +1286,9 @@ def move_model(
         "move",
     )
     report = MoveReport(request.me, request.role)
-    new_model, built = _build_on_new_group(request, new_env, new_plan, options)
+    new_model, hooks, built = _build_on_new_group(
+        request, model, new_env, new_plan, options
+    )
     group = open_exchange_group_among(
         request.union, built.transaction, options.exchange_timeout
     )
@@ -967,6 +1301,8 @@ def move_model(
         close_exchange_group(group)
         if new_model is not None:
             _release(new_model)
+        # the old model keeps its storage as it is: nothing of it is released
+        new_model = hooks = None
         raise ReshardAbortedError(
             f"rank {request.me}: moving the model failed ({type(e).__name__}: "
             f"{e}); the model on the old group is unchanged"
@@ -975,6 +1311,9 @@ def move_model(
 
     if model is not None:
         _release(model)
+    if hooks is not None and new_model is not None:
+        report.bytes_released = hooks.release(new_model)
+    del hooks
     new_optimizer: Optional[KeyedOptimizer] = None
     if new_model is not None and make_optimizer is not None:
         new_optimizer = make_optimizer(new_model)
