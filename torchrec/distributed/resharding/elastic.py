@@ -869,7 +869,9 @@ class _MoveStorage(KeptStorage):
     initialisation (every byte is moved in), tables in runs of kept shards
     get the agreed batch keys, and on a rank that stays the kernel of each such
     run is built on a view of the old kernel's storage (nothing copied, the
-    old model unchanged: a move never writes kept pieces).
+    old model unchanged: a move never writes kept pieces). Sharded modules make
+    their tables' ShardedTensors from the agreed plan, without a collective
+    per table.
     :meth:`KeptStorage.release` afterwards gives back the pages of departed
     tables that nobody references.
 
@@ -923,6 +925,10 @@ class _MoveStorage(KeptStorage):
         out = dict(fused_params)
         out[BATCH_KEY] = f"{out.get(BATCH_KEY, '')}{key}"
         return out
+
+    def sharded_tensors_from_plan(self) -> bool:
+        # the plan is agreed and validated: no collective per table is needed
+        return True
 
     def _kept_run(
         self, config: GroupedEmbeddingConfig, kernel_type: type
