@@ -20,19 +20,25 @@ under a new plan for ``G'`` — shrink, grow, any other set of ranks:
    plan, the optimizer facts and the dense tensors travel with the agreement;
 2. **build** the model on ``G'``: every rank of ``G'`` builds a fresh
    ``DistributedModelParallel`` over ``G'`` from the unsharded definition
-   (ranks that stay derive it from their model), kernels uninitialised;
+   (ranks that stay derive it from their model), kernels uninitialised; on a
+   rank that stays (CPU, ``StorageMode.REUSE``), table shards that stay on it
+   with the same layout get kernels of their own built on the old kernels'
+   storage (weights and fused optimizer state), as in a reshard within one
+   group: nothing of them is copied or written;
 3. **move**, on a process group made for the transaction over ``G ∪ G'``:
    every table's pieces go from their old owners to their new ones (weights
    and fused optimizer state, as in a reshard within one group; layouts are
    planned in global ranks), the dense parameters, buffers and the dense
    optimizer's state are broadcast from a rank of ``G``;
-4. **release** the old model on every rank of ``G``.
+4. **release** the old model on every rank of ``G``, then the pages of
+   departed tables in storage that kept shards share, where nobody else
+   references it.
 
-Until step 4 the old model is untouched: a failure raises on every rank and
-nothing is lost. :func:`unshard_model` (every table onto one rank as plain
-modules) and :func:`shard_from_rank` (tables only one rank holds, sharded onto
-the group) are the same move between a sharded model and plain modules on one
-rank.
+Until step 4 the old model is untouched (kept shards are shared, never
+written): a failure raises on every rank and nothing is lost.
+:func:`unshard_model` (every table onto one rank as plain modules) and
+:func:`shard_from_rank` (tables only one rank holds, sharded onto the group)
+are the same move between a sharded model and plain modules on one rank.
 """
 
 import contextlib
@@ -709,14 +715,12 @@ class _KeptRun:
 
     Args:
         path (str): the sharded module's path.
-        index (int): the run's number among this rank's runs of the module.
         kernel (nn.Module): the old fbgemm kernel.
         first (int): the position of the first shard in it.
         shards (List[ShardKey]): the shards, in kernel order.
     """
 
     path: str
-    index: int
     kernel: nn.Module
     first: int
     shards: List[ShardKey]
@@ -794,18 +798,19 @@ def _kept_runs(
                     size = sum(t.local_rows * t.local_cols for t in run)
                     shards = [shard_key(t) for t in run]
                     group_runs.append(
-                        (size, _KeptRun(path, 0, batched.emb_module, first, shards))
+                        (size, _KeptRun(path, batched.emb_module, first, shards))
                     )
             group_runs.sort(key=lambda x: -x[0])
             runs += [run for _, run in group_runs[: MAX_KERNELS_PER_GROUP - 1]]
-        for index, run in enumerate(runs):
-            run.index = index
         out += runs
     return out
 
 
 def _run_facts(runs: Sequence[_KeptRun]) -> Dict[str, List[List[str]]]:
-    """What the other ranks need of a rank's kept runs: their tables."""
+    """
+    What the other ranks need of a rank's kept runs: per module, the tables of
+    each run (a run's position in its module's list numbers it).
+    """
     out: Dict[str, List[List[str]]] = {}
     for run in runs:
         out.setdefault(run.path, []).append([name for name, _ in run.shards])
