@@ -596,6 +596,7 @@ class Phases:
         ("_broadcast_dense", "dense"),
         ("close_exchange_group", "group"),
         ("_release", "release"),
+        ("_release_kept_storage", "release"),
     ]
 
     def __init__(self) -> None:
@@ -690,6 +691,8 @@ def run_live(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str, 
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
             "bytes_copied_locally": report.bytes_copied_locally,
+            "bytes_kept_in_place": report.bytes_kept_in_place,
+            "bytes_released": report.bytes_released,
             "dense_bytes": report.dense_bytes,
             "seconds": report.seconds,
         },
@@ -999,15 +1002,20 @@ def summarise(
                     for r in per_rep[i]:
                         rep_ = r["report"]
                         rank = str(rep_["rank"])
-                        for what, key in (
-                            ("bytes_sent", "sent"),
-                            ("bytes_received", "received"),
-                            ("bytes_copied_locally", "copied_locally"),
+                        # bytes that stay on a rank are copied or kept in
+                        # place (the new kernel took over the old storage)
+                        stayed = rep_["bytes_copied_locally"] + rep_.get(
+                            "bytes_kept_in_place", 0
+                        )
+                        for what, key, got in (
+                            ("bytes_sent", "sent", rep_["bytes_sent"]),
+                            ("bytes_received", "received", rep_["bytes_received"]),
+                            ("bytes that stayed", "copied_locally", stayed),
                         ):
-                            if rep_[what] != want[key][rank]:
+                            if got != want[key][rank]:
                                 failures.append(
                                     f"{move} rep {i} rank {rank}: {what} "
-                                    f"{rep_[what]} != {want[key][rank]} required"
+                                    f"{got} != {want[key][rank]} required"
                                 )
                     if sent[reps.index(i)] != want["total"]:
                         failures.append(
@@ -1023,6 +1031,8 @@ def summarise(
                             "bytes_sent",
                             "bytes_received",
                             "bytes_copied_locally",
+                            "bytes_kept_in_place",
+                            "bytes_released",
                         )
                     }
                     for r in per_rep[reps[0]]
@@ -1131,8 +1141,10 @@ def bytes_text(rows: List[Dict[str, Any]], required: Dict[str, Any]) -> str:
                 f"    rank {rank} ({b['role']:<6}) sent {b['bytes_sent']:>11} "
                 f"(dry run {want['sent'][rank]:>11}), received "
                 f"{b['bytes_received']:>11} (dry run {want['received'][rank]:>11}), "
-                f"kept {b['bytes_copied_locally']:>11} "
-                f"(dry run {want['copied_locally'][rank]:>11})"
+                f"stayed {b['bytes_copied_locally'] + b['bytes_kept_in_place']:>11} "
+                f"(dry run {want['copied_locally'][rank]:>11}; copied "
+                f"{b['bytes_copied_locally']}, kept in place "
+                f"{b['bytes_kept_in_place']}), released {b['bytes_released']}"
             )
     return "\n".join(lines)
 

@@ -20,16 +20,23 @@ under a new plan for ``G'`` — shrink, grow, any other set of ranks:
    plan, the optimizer facts and the dense tensors travel with the agreement;
 2. **build** the model on ``G'``: every rank of ``G'`` builds a fresh
    ``DistributedModelParallel`` over ``G'`` from the unsharded definition
-   (ranks that stay derive it from their model), kernels uninitialised;
+   (ranks that stay derive it from their model), kernels uninitialised; on a
+   rank that stays (CPU, ``StorageMode.REUSE``), table shards that stay on it
+   with the same layout get kernels of their own built on the old kernels'
+   storage (weights and fused optimizer state, see ``elastic_storage``):
+   nothing of them is copied or written;
 3. **move**, on a process group made for the transaction over ``G ∪ G'``:
    every table's pieces go from their old owners to their new ones (weights
    and fused optimizer state, as in a reshard within one group; layouts are
    planned in global ranks), the dense parameters, buffers and the dense
    optimizer's state are broadcast from a rank of ``G``;
-4. **release** the old model on every rank of ``G``.
+4. **release** the old model on every rank of ``G``, then the pages of
+   departed tables in storage that kept shards share, where nobody else
+   references it.
 
-Until step 4 the old model is untouched: a failure raises on every rank and
-nothing is lost. ``elastic_plan`` plans the move (pure); ``unshard`` is the same move between
+Until step 4 the old model is untouched (kept shards are shared, never
+written): a failure raises on every rank and nothing is lost.
+``elastic_plan`` plans the move (pure); ``unshard`` is the same move between
 a sharded model and plain modules on one rank.
 """
 
@@ -37,7 +44,7 @@ import contextlib
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (
     Any,
     Callable,
@@ -67,6 +74,16 @@ from torchrec.distributed.resharding.elastic_plan import (
     TableShape,
     validate_new_plan,
 )
+from torchrec.distributed.resharding.elastic_storage import (
+    batch_keys,
+    kept_runs,
+    KeptRun,
+    may_keep_storage,
+    MoveStorage,
+    old_batched,
+    release_kept_storage,
+    run_facts,
+)
 from torchrec.distributed.resharding.exchange import (
     agree_among,
     Agreement,
@@ -77,9 +94,11 @@ from torchrec.distributed.resharding.exchange import (
 )
 from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import (
+    kept_in_place,
     LocalSlot,
     read_piece,
     RowwiseMerges,
+    slot_bytes,
     SlotKey,
     target_piece,
     write_piece,
@@ -119,7 +138,13 @@ class MoveReport:
         tables (int): tables moved.
         bytes_sent (int): table bytes this rank sent to other ranks.
         bytes_received (int): table bytes this rank received.
-        bytes_copied_locally (int): table bytes that stayed on this rank.
+        bytes_copied_locally (int): table bytes that stayed on this rank and
+            were copied into the new model.
+        bytes_kept_in_place (int): table bytes that stayed on this rank in the
+            same storage: the new model's kernels took over the old ones'
+            memory (nothing copied, see ``storage``).
+        bytes_released (int): bytes of departed tables' state given back to
+            the OS from storage that kept tables share.
         dense_bytes (int): bytes of dense parameters and buffers broadcast.
         seconds (float): wall time on this rank.
     """
@@ -130,6 +155,8 @@ class MoveReport:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied_locally: int = 0
+    bytes_kept_in_place: int = 0
+    bytes_released: int = 0
     dense_bytes: int = 0
     seconds: float = 0.0
 
@@ -260,6 +287,22 @@ def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
     return out
 
 
+def plain_weight(module: nn.Module, table: str) -> torch.Tensor:
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bags[table].weight
+    return module.embeddings[table].weight
+
+
+def _table_weights(
+    definition: nn.Module, keys: Mapping[str, Mapping[str, str]]
+) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The definition's weight of every table that gets a batch key."""
+    return {
+        path: {t: plain_weight(definition.get_submodule(path), t) for t in tables}
+        for path, tables in keys.items()
+    }
+
+
 def model_facts(model: nn.Module, optimizer: Optional[KeyedOptimizer]) -> MoveFacts:
     root = model.module
     modules = sharded_modules(root)
@@ -319,11 +362,20 @@ def move_tables(
     options: ReshardOptions,
     report: MoveReport,
 ) -> None:
-    """Local copies and the exchange of every table's pieces (union ranks)."""
+    """
+    Local copies and the exchange of every table's pieces (union ranks).
+    Pieces whose new kernel took over the old storage (kept in place) are
+    neither copied nor written.
+    """
+    in_place = set(kept_in_place(old_slots, new_slots))
+    for key in in_place:
+        report.bytes_kept_in_place += slot_bytes(new_slots[key])
     merges = RowwiseMerges()
     with torch.no_grad():
-        zero_undelivered_state(new_slots, fields, set())
+        zero_undelivered_state(new_slots, fields, in_place)
         for transfer in plan.local_copies(rank):
+            if (transfer.table, transfer.dst_rect) in in_place:
+                continue  # the new kernel already holds it: same memory
             src = old_slots[(transfer.table, transfer.src_rect)]
             dst = new_slots[(transfer.table, transfer.dst_rect)]
             for f in fields[transfer.table]:
@@ -433,10 +485,12 @@ def build_model(
     plan: ShardingPlan,
     sharders: Optional[List[Any]],
     device: torch.device,
+    hooks: Optional[KeptStorage] = None,
 ) -> nn.Module:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    with kernel_build_hooks(_NoInit()), _tables_not_initialised(definition):
+    hooks = hooks if hooks is not None else _NoInit()
+    with kernel_build_hooks(hooks), _tables_not_initialised(definition):
         return DistributedModelParallel(
             definition,
             env=env,
@@ -467,6 +521,8 @@ class _Request:
     definition: Optional[nn.Module]
     sharders: Optional[List[Any]]
     device: torch.device
+    kept: List[KeptRun] = field(default_factory=list)
+    batch_keys: Dict[str, Dict[str, str]] = field(default_factory=dict)
 
     @property
     def role(self) -> str:
@@ -501,6 +557,7 @@ def _agree_on_move(
     if device is None:
         device = model.device if model is not None else torch.device("cpu")
     facts = MoveFacts()
+    kept: List[KeptRun] = []
     error: Optional[str] = None
     try:
         if me not in union:
@@ -521,28 +578,65 @@ def _agree_on_move(
             validate_new_plan(
                 new_plan, facts.defined_tables, len(facts.new_ranks), device.type
             )
+            if model is not None and may_keep_storage(model, device, options):
+                try:
+                    kept = kept_runs(
+                        sharded_modules(model.module),
+                        model.plan,
+                        facts.old_ranks or [],
+                        new_plan,
+                        facts.new_ranks,
+                    )
+                except Exception:  # an optimisation only: copy every piece
+                    logger.exception("model move: kept storage skipped")
+                    kept = []
+                facts.kept_runs = run_facts(kept)
     except ReshardError as e:
         error = str(e)
     digest = request_digest(kind, plan_text(new_plan), str(union))
     agreement = _agree(union, digest, error, facts, options.exchange_timeout)
     agreed = check_move_agreement(union, agreement.facts)
-    return _Request(union, me, agreed, digest, definition, sharders, device)
+    keys = batch_keys(
+        union, [f.kept_runs for f in agreement.facts], new_plan, agreed.new_ranks
+    )
+    return _Request(union, me, agreed, digest, definition, sharders, device, kept, keys)
 
 
 def _build_on_new_group(
     request: _Request,
+    model: Optional[nn.Module],
     new_env: Optional[ShardingEnv],
     new_plan: ShardingPlan,
     options: ReshardOptions,
-) -> Tuple[Optional[nn.Module], Agreement]:
-    """Phase 2: every rank of the new group builds the model; all agree it did."""
+) -> Tuple[Optional[nn.Module], Optional[MoveStorage], Agreement]:
+    """
+    Phase 2: every rank of the new group builds the model; all agree it did.
+    Kernels of kept shards take over the old kernels' storage (see
+    :class:`MoveStorage`); the returned hooks hold it until the move ends.
+    """
     new_model: Optional[nn.Module] = None
+    hooks: Optional[MoveStorage] = None
     error: Optional[str] = None
     if new_env is not None:
         try:
             assert request.definition is not None
+            hooks = MoveStorage(
+                _table_weights(request.definition, request.batch_keys),
+                request.batch_keys,
+                request.kept,
+                (
+                    old_batched(sharded_modules(model.module))
+                    if model is not None and request.kept
+                    else []
+                ),
+            )
             new_model = build_model(
-                request.definition, new_env, new_plan, request.sharders, request.device
+                request.definition,
+                new_env,
+                new_plan,
+                request.sharders,
+                request.device,
+                hooks,
             )
             dense = [
                 (n, tuple(t.shape), str(t.dtype))
@@ -564,7 +658,7 @@ def _build_on_new_group(
         if new_model is not None:
             release_model(new_model)
         raise
-    return new_model, built
+    return new_model, hooks, built
 
 
 def _move_state(
@@ -679,7 +773,9 @@ def move_model(
         "move",
     )
     report = MoveReport(request.me, request.role)
-    new_model, built = _build_on_new_group(request, new_env, new_plan, options)
+    new_model, hooks, built = _build_on_new_group(
+        request, model, new_env, new_plan, options
+    )
     group = open_exchange_group_among(
         request.union, built.transaction, options.exchange_timeout
     )
@@ -692,6 +788,8 @@ def move_model(
         close_exchange_group(group)
         if new_model is not None:
             release_model(new_model)
+        # the old model keeps its storage as it is: nothing of it is released
+        new_model = hooks = None
         raise ReshardAbortedError(
             f"rank {request.me}: moving the model failed ({type(e).__name__}: "
             f"{e}); the model on the old group is unchanged"
@@ -700,6 +798,11 @@ def move_model(
 
     if model is not None:
         release_model(model)
+    if hooks is not None and new_model is not None:
+        report.bytes_released = release_kept_storage(
+            hooks, sharded_modules(new_model.module)
+        )
+    del hooks
     new_optimizer: Optional[KeyedOptimizer] = None
     if new_model is not None and make_optimizer is not None:
         new_optimizer = make_optimizer(new_model)

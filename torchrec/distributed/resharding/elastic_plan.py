@@ -113,6 +113,8 @@ class MoveFacts:
     dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
     has_optimizer: bool = False
     pipelined: Optional[List[str]] = None
+    # module path -> the tables of each run of kept shards (elastic_storage)
+    kept_runs: Optional[Dict[str, List[List[str]]]] = None
 
 
 def plan_text(plan: ShardingPlan) -> str:

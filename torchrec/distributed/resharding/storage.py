@@ -193,7 +193,8 @@ def split_kept_tables(
 ShardKey = Tuple[str, Tuple[int, ...]]
 
 
-def _shard_key(table: Any) -> ShardKey:
+def shard_key(table: Any) -> ShardKey:
+    """(table name, shard offsets) of a kernel's table shard."""
     metadata = table.local_metadata
     offsets = tuple(metadata.shard_offsets) if metadata is not None else ()
     return table.name, offsets
@@ -268,7 +269,7 @@ class KeptStorage(KernelBuildHooks):
             kernel = batched.emb_module
             for position, table in enumerate(batched.config.embedding_tables):
                 if table.name in kept_tables:
-                    self._kept[_shard_key(table)] = (kernel, position)
+                    self._kept[shard_key(table)] = (kernel, position)
             for tensor in _table_state(kernel):
                 storage = tensor.untyped_storage()
                 self._storages.setdefault(storage.data_ptr(), _Storage(storage))
@@ -324,7 +325,7 @@ class KeptStorage(KernelBuildHooks):
         """
         if not self._reuse:
             return None
-        keys = [_shard_key(t) for t in config.embedding_tables]
+        keys = [shard_key(t) for t in config.embedding_tables]
         if not keys or any(k not in self._kept for k in keys):
             return None
         kernel, first = self._kept[keys[0]]

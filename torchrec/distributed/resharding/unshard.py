@@ -35,6 +35,7 @@ from torchrec.distributed.resharding.elastic import (
     MoveReport,
     plain_tables,
     plain_twin,
+    plain_weight,
     release_model,
     sharded_modules,
     sharded_slots,
@@ -64,7 +65,6 @@ from torchrec.distributed.resharding.plan import Rect, ReshardAbortedError, Resh
 from torchrec.distributed.resharding.transaction import ReshardOptions
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 
 @dataclass
@@ -87,12 +87,6 @@ class UnshardedModel:
     )
 
 
-def _plain_weight(module: nn.Module, table: str) -> torch.Tensor:
-    if isinstance(module, EmbeddingBagCollection):
-        return module.embedding_bags[table].weight
-    return module.embeddings[table].weight
-
-
 def _plain_slots(
     modules: Mapping[str, nn.Module],
     fields: Mapping[str, Sequence[Field]],
@@ -106,7 +100,7 @@ def _plain_slots(
     for path, module in modules.items():
         for name, rows, cols in plain_tables(module):
             key = table_key(path, name)
-            tensors = {"weight": _plain_weight(module, name).detach()}
+            tensors = {"weight": plain_weight(module, name).detach()}
             if state is not None:
                 for f in fields.get(key, []):
                     if f.name == "weight":

@@ -24,14 +24,17 @@ sends and receives.
 import gc
 import unittest
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.resharding import elastic, ReshardAbortedError, ReshardOptions
 from torchrec.distributed.resharding.elastic import dry_run_move, move_model
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.kernel_state import batched_kernels, read_piece
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -59,6 +62,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 WORLD = 4
 DIM = 16
 GROUPS: List[List[int]] = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2]]
+# growing (2, 3) -> (0, 1, 2, 3) with plan shift 2 leaves ebc's t1 (table-wise)
+# on rank 2 and the two column shards of t2 on ranks 3 and 2: their new kernels
+# take over the old kernels' storage.
+KEPT: Dict[int, List[str]] = {2: ["ebc.embedding_bags.t1.weight"], 3: []}
+KEPT[2].append("ebc.embedding_bags.t2.weight")
+KEPT[3].append("ebc.embedding_bags.t2.weight")
 
 
 class _Model(nn.Module):
@@ -203,6 +212,76 @@ def _kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
     ]
 
 
+def _shard_addresses(model: nn.Module, keys: Sequence[str]) -> Dict[str, List[int]]:
+    """Where the local shards of some tables of a model live."""
+    state = model.state_dict()
+    return {
+        key: [s.tensor.data_ptr() for s in state[key].local_shards()] for key in keys
+    }
+
+
+def _failing_read_piece() -> Callable[..., torch.Tensor]:
+    """``read_piece`` that raises on the second piece a rank reads."""
+    seen: List[int] = []
+
+    def failing(slot: Any, transfer: Any, f: Any) -> torch.Tensor:
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("injected fault in the middle of the move")
+        return read_piece(slot, transfer, f)
+
+    return failing
+
+
+def _failed_move(
+    rank: int,
+    model: Optional[nn.Module],
+    optimizer: Any,
+    plan: ShardingPlan,
+    old: Tuple[int, ...],
+    new: Tuple[int, ...],
+    envs: Dict[Tuple[int, ...], Optional[ShardingEnv]],
+    groups: Dict[Tuple[int, ...], dist.ProcessGroup],
+) -> None:
+    """
+    A move that fails in the exchange, after every rank built the new model
+    (whose kept shards share the old kernels' storage): every rank raises and
+    the old model is bit-identical to before, its kept shards where they were.
+    """
+    before = _global_state(model, optimizer, groups[old]) if rank in old else None
+    addresses = _shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
+    read = _failing_read_piece() if rank == old[0] else read_piece
+    try:
+        with mock.patch.object(elastic, "read_piece", read):
+            move_model(
+                model if rank in old else None,
+                plan,
+                envs[new],
+                participants=sorted(set(old) | set(new)),
+                definition=_definition() if rank not in old else None,
+                sharders=_sharders() if rank not in old else None,
+                optimizer=optimizer if rank in old else None,
+                make_optimizer=_make_optimizer,
+                options=ReshardOptions(exchange_timeout=timedelta(seconds=10)),
+            )
+    except ReshardAbortedError as e:
+        assert "unchanged" in str(e), e
+    else:
+        raise AssertionError("the injected fault must abort the move")
+    if rank in old:
+        weights, fused, dense = _global_state(model, optimizer, groups[old])
+        assert before is not None
+        for key, value in before[0].items():
+            assert torch.equal(weights[key], value), key
+        for key, value in before[1].items():
+            assert torch.equal(fused[key], value), key
+        for name, value in before[2]["state"].items():
+            assert all(
+                torch.equal(dense["state"][name][k], v) for k, v in value.items()
+            )
+        assert _shard_addresses(model, KEPT.get(rank, [])) == addresses
+
+
 def _table_configs(model: nn.Module) -> List[Any]:
     return model.ebc.embedding_bag_configs() + model.ec.embedding_configs()
 
@@ -243,6 +322,10 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
             if rank in old:
                 state = _global_state(model, optimizer, groups[old])
             state = _share(state, old[0])
+            if old == (2, 3):
+                _failed_move(rank, model, optimizer, plan, old, new, envs, groups)
+            kept = old == (2, 3) and rank in KEPT
+            addresses = _shard_addresses(model, KEPT[rank]) if kept else {}
             refs = _kernel_refs(model) if model is not None else []
             participants = sorted(set(old) | set(new))
             definition, configs, inits = None, [], []
@@ -286,6 +369,12 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 config.init_fn(torch.empty(0))
             assert len(inits) == len(configs), inits
             model, optimizer = moved.model, moved.optimizer
+            if kept:
+                # shards that stay put keep their storage: nothing copied
+                assert _shard_addresses(model, KEPT[rank]) == addresses
+                assert moved.report.bytes_kept_in_place > 0, moved.report
+            if rank not in old or rank not in new:
+                assert moved.report.bytes_kept_in_place == 0, moved.report
             if rank in new:
                 env = envs[new]
                 assert env is not None
