@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -69,6 +68,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reshard_benchmark import fmt, free_port, reset_hwm, status_kib  # same folder
 from torch import nn
 
 MiB: int = 1 << 20
@@ -238,27 +238,6 @@ def owner_change_bytes(
                         total += (r1 - r0) * (c1 - c0) * cost.per_element
                         total += (r1 - r0) * cost.per_row
     return total
-
-
-# ---------------------------------------------------------------- memory ----
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def reset_hwm() -> bool:
-    """Resets VmHWM to the current RSS; False when not permitted."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------- the model ----
@@ -648,7 +627,7 @@ class Ctx:
 def timed(ctx: Ctx, fn: Callable[[], Any]) -> Tuple[float, int, Any]:
     """Runs ``fn`` between world barriers: (seconds, peak extra bytes, result)."""
     gc.collect()
-    rss = _status_kib("VmRSS")
+    rss = status_kib("VmRSS")
     if ctx.resettable:
         reset_hwm()
     dist.barrier(group=ctx.world)
@@ -656,7 +635,7 @@ def timed(ctx: Ctx, fn: Callable[[], Any]) -> Tuple[float, int, Any]:
     out = fn()
     dist.barrier(group=ctx.world)
     seconds = time.perf_counter() - t0
-    peak = max(0, _status_kib("VmHWM") - rss) * 1024
+    peak = max(0, status_kib("VmHWM") - rss) * 1024
     return seconds, peak, out
 
 
@@ -898,12 +877,6 @@ def worker(
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, ckpt_base: str) -> List[List[Dict[str, Any]]]:
     fd, out_path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -1069,10 +1042,6 @@ def summarise(
     return rows, failures
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def table_text(rows: List[Dict[str, Any]]) -> str:
     cols = (
         f"{'MiB':>5} {'move':<12} {'method':<12} {'min s':>7} {'median s':>8} "
@@ -1089,17 +1058,17 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
         paired = r.get("paired")
         pcol = f"{paired['min']:.2f} / {paired['median']:.2f}" if paired else "-"
         if r["method"] == "live":
-            moved = _fmt(r["moved_mib"], "7.1f")
-            req = _fmt(r["required_mib"], "7.1f")
+            moved = fmt(r["moved_mib"], "7.1f")
+            req = fmt(r["required_mib"], "7.1f")
             eq = "yes" if r["bytes_equal"] else "NO"
         elif r["method"] == "a2a_fresh":
-            moved, req, eq = _fmt(r["moved_mib"], "7.1f"), "-", "-"
+            moved, req, eq = fmt(r["moved_mib"], "7.1f"), "-", "-"
         else:
-            moved, req, eq = _fmt(r.get("checkpoint_mib"), "7.1f") + "*", "-", "-"
+            moved, req, eq = fmt(r.get("checkpoint_mib"), "7.1f") + "*", "-", "-"
         lines.append(
             f"{r['size_mib']:>5g} {r['move']:<12} {r['method']:<12} {r['min_s']:>7.3f} {r['median_s']:>8.3f} "
-            f"{_fmt(r['x_live_min'], '7.2f'):>7} {_fmt(r['x_live_median'], '7.2f'):>7} "
-            f"{pcol:>12} {_fmt(r['x_floor'], '7.2f'):>7} {r['peak_extra_mib']:>8.0f} "
+            f"{fmt(r['x_live_min'], '7.2f'):>7} {fmt(r['x_live_median'], '7.2f'):>7} "
+            f"{pcol:>12} {fmt(r['x_floor'], '7.2f'):>7} {r['peak_extra_mib']:>8.0f} "
             f"{moved:>7} {req:>7} {eq:>6}"
         )
     lines.append(

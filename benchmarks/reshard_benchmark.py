@@ -75,7 +75,8 @@ METHOD_LABELS = {
 # ---------------------------------------------------------------- memory ----
 
 
-def _status_kib(key: str) -> int:
+def status_kib(key: str) -> int:
+    """A ``/proc/self/status`` field of this process, in KiB."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
@@ -107,14 +108,14 @@ class PeakMemory:
 
     def __enter__(self) -> "PeakMemory":
         gc.collect()
-        self.rss_before = _status_kib("VmRSS")
+        self.rss_before = status_kib("VmRSS")
         if self.resettable:
             reset_hwm()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.extra_bytes = max(0, _status_kib("VmHWM") - self.rss_before) * 1024
-        self.held_bytes = (_status_kib("VmRSS") - self.rss_before) * 1024
+        self.extra_bytes = max(0, status_kib("VmHWM") - self.rss_before) * 1024
+        self.held_bytes = (status_kib("VmRSS") - self.rss_before) * 1024
 
 
 # ------------------------------------------------------------- the model ----
@@ -622,6 +623,7 @@ def worker(
 
 
 def free_port() -> int:
+    """A TCP port free on localhost now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
@@ -697,7 +699,8 @@ def summarise(
     return rows
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def fmt(x: Optional[float], spec: str) -> str:
+    """``x`` formatted with ``spec``, or "-" when there is none."""
     return "-" if x is None else format(x, spec)
 
 
@@ -709,9 +712,9 @@ def print_table(rows: List[Dict[str, Any]], header: str) -> str:
     for r in rows:
         lines.append(
             f"{r['size_mib']:>8} {r['method']:<10} {r['min_s']:>8.3f} {r['median_s']:>8.3f} "
-            f"{_fmt(r['x_warm'], '7.2f'):>7} {_fmt(r['x_fresh'], '7.2f'):>7} {_fmt(r['x_ckpt'], '7.2f'):>7} "
-            f"{r['peak_extra_mib']:>9.0f} {r['held_mib']:>9.0f} {_fmt(r['bound_mib'], '9.0f'):>9} "
-            f"{_fmt(r['moved_mib_per_rank'], '9.1f'):>9} {_fmt(r['bytes_per_row'], '6.0f'):>6}"
+            f"{fmt(r['x_warm'], '7.2f'):>7} {fmt(r['x_fresh'], '7.2f'):>7} {fmt(r['x_ckpt'], '7.2f'):>7} "
+            f"{r['peak_extra_mib']:>9.0f} {r['held_mib']:>9.0f} {fmt(r['bound_mib'], '9.0f'):>9} "
+            f"{fmt(r['moved_mib_per_rank'], '9.1f'):>9} {fmt(r['bytes_per_row'], '6.0f'):>6}"
         )
     text = "\n".join(lines)
     print(text, flush=True)
