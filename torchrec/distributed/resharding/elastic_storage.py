@@ -249,14 +249,13 @@ class MoveStorage(KeptStorage):
         old_batched: Sequence[nn.Module],
     ) -> None:
         super().__init__(old_batched, set(), reuse=bool(runs))
-        # the tables' parameters in the definition (held: their ids key _keys)
-        self._params: List[torch.Tensor] = []
-        self._keys: Dict[int, str] = {}
-        for path, table_keys in keys.items():
-            for table, key in table_keys.items():
-                param = weights[path][table]
-                self._params.append(param)
-                self._keys[id(param)] = key
+        # each table's parameter in the definition and its batch key: the hook
+        # gets the parameter, and table names repeat across modules
+        self._keys: List[Tuple[torch.Tensor, str]] = [
+            (weights[path][table], key)
+            for path, table_keys in keys.items()
+            for table, key in table_keys.items()
+        ]
         # batch key -> (old kernel, first position, shards) of each kept run
         self._runs: Dict[str, List[Tuple[nn.Module, int, List[ShardKey]]]] = {}
         for run in runs:
@@ -275,7 +274,7 @@ class MoveStorage(KeptStorage):
     def table_fused_params(
         self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
     ) -> Dict[str, Any]:
-        key = self._keys.get(id(param))
+        key = next((k for p, k in self._keys if p is param), None)
         if key is None:
             return fused_params
         out = dict(fused_params)
