@@ -88,22 +88,11 @@ from torchrec.distributed.resharding.exchange import (
     agree_among,
     Agreement,
     close_exchange_group,
-    exchange_pieces,
     Field,
     open_exchange_group_among,
 )
 from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.kernel_state import (
-    kept_in_place,
-    LocalSlot,
-    read_piece,
-    RowwiseMerges,
-    slot_bytes,
-    SlotKey,
-    target_piece,
-    write_piece,
-    zero_undelivered_state,
-)
+from torchrec.distributed.resharding.kernel_state import LocalSlot, SlotKey
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
@@ -114,7 +103,7 @@ from torchrec.distributed.resharding.plan import (
     ReshardPlan,
 )
 from torchrec.distributed.resharding.storage import KeptStorage
-from torchrec.distributed.resharding.transaction import ReshardOptions
+from torchrec.distributed.resharding.transaction import fill_slots, ReshardOptions
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import (
@@ -367,38 +356,19 @@ def move_tables(
     Pieces whose new kernel took over the old storage (kept in place) are
     neither copied nor written.
     """
-    in_place = set(kept_in_place(old_slots, new_slots))
-    for key in in_place:
-        report.bytes_kept_in_place += slot_bytes(new_slots[key])
-    merges = RowwiseMerges()
-    with torch.no_grad():
-        zero_undelivered_state(new_slots, fields, in_place)
-        for transfer in plan.local_copies(rank):
-            if (transfer.table, transfer.dst_rect) in in_place:
-                continue  # the new kernel already holds it: same memory
-            src = old_slots[(transfer.table, transfer.src_rect)]
-            dst = new_slots[(transfer.table, transfer.dst_rect)]
-            for f in fields[transfer.table]:
-                piece = read_piece(src, transfer, f)
-                write_piece(dst, transfer, f, piece, merges)
-                report.bytes_copied_locally += piece.numel() * piece.element_size()
-        report.bytes_sent, report.bytes_received = exchange_pieces(
-            plan,
-            fields,
-            rank,
-            dist.get_world_size(group),
-            group,
-            read_piece=lambda t, f: read_piece(old_slots[(t.table, t.src_rect)], t, f),
-            write_piece=lambda t, f, data: write_piece(
-                new_slots[(t.table, t.dst_rect)], t, f, data, merges
-            ),
-            device=torch.device("cpu"),
-            max_inflight_bytes=options.max_inflight_bytes,
-            target_piece=lambda t, f: target_piece(
-                new_slots[(t.table, t.dst_rect)], t, f
-            ),
-        )
-        merges.finish()
+    filled = fill_slots(
+        plan,
+        fields,
+        old_slots,
+        new_slots,
+        rank,
+        group,
+        torch.device("cpu"),
+        options.max_inflight_bytes,
+    )
+    report.bytes_kept_in_place += filled.bytes_kept_in_place
+    report.bytes_copied_locally += filled.bytes_copied_locally
+    report.bytes_sent, report.bytes_received = filled.bytes_sent, filled.bytes_received
 
 
 def broadcast_dense(

@@ -71,9 +71,11 @@ from torchrec.distributed.resharding.groups import (
 from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
 from torchrec.distributed.resharding.kernel_state import (
     kept_in_place,
+    LocalSlot,
     read_piece,
     RowwiseMerges,
     slot_bytes,
+    SlotKey,
     target_piece,
     write_piece,
     zero_undelivered_state,
@@ -339,6 +341,95 @@ def prepare_reshard(
     return PreparedReshard(env, device, options, modules, agreement, build, start)
 
 
+@dataclass
+class FilledSlots:
+    """
+    What :func:`fill_slots` did on one rank.
+
+    Args:
+        kept_in_place (List[SlotKey]): new slots whose kernel took over the old
+            storage: neither copied nor written.
+        bytes_kept_in_place (int): their bytes.
+        bytes_copied_locally (int): bytes of pieces copied on this rank.
+        bytes_sent (int): bytes sent to other ranks.
+        bytes_received (int): bytes received from other ranks.
+    """
+
+    kept_in_place: List[SlotKey]
+    bytes_kept_in_place: int = 0
+    bytes_copied_locally: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+def fill_slots(
+    transfers: ReshardPlan,
+    fields: Mapping[str, Sequence[Field]],
+    old_slots: Mapping[SlotKey, LocalSlot],
+    new_slots: Mapping[SlotKey, LocalSlot],
+    rank: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    max_inflight_bytes: Optional[int],
+    on_round: Optional[Callable[[int, int], None]] = None,
+) -> FilledSlots:
+    """
+    Fills new slots from old ones: the pieces that stay on this rank are copied
+    locally (unless their new kernel already holds them in the old storage),
+    the others go through :func:`exchange_pieces` on ``group``; optimizer
+    state no piece delivers is zeroed. The one executor of a reshard within
+    a group and of a move between groups.
+
+    Args:
+        transfers (ReshardPlan): the transfers, ranks numbered in ``group``.
+        fields (Mapping[str, Sequence[Field]]): the fields of every table.
+        old_slots (Mapping[SlotKey, LocalSlot]): this rank's old shards.
+        new_slots (Mapping[SlotKey, LocalSlot]): this rank's new shards.
+        rank (int): this rank in ``group``.
+        group (dist.ProcessGroup): the transaction's exchange group.
+        device (torch.device): where the exchange buffers live.
+        max_inflight_bytes (Optional[int]): cap of the exchange buffers.
+        on_round (Optional[Callable[[int, int], None]]): progress per round.
+
+    Returns:
+        FilledSlots: what moved, and what was kept in place.
+    """
+    in_place = set(kept_in_place(old_slots, new_slots))
+    filled = FilledSlots(sorted(in_place))
+    filled.bytes_kept_in_place = sum(slot_bytes(new_slots[k]) for k in in_place)
+    merges = RowwiseMerges()
+    with torch.no_grad():
+        zero_undelivered_state(new_slots, fields, in_place)
+        for transfer in transfers.local_copies(rank):
+            if (transfer.table, transfer.dst_rect) in in_place:
+                continue  # the new kernel already holds it: same memory
+            src = old_slots[(transfer.table, transfer.src_rect)]
+            dst = new_slots[(transfer.table, transfer.dst_rect)]
+            for f in fields[transfer.table]:
+                piece = read_piece(src, transfer, f)
+                write_piece(dst, transfer, f, piece, merges)
+                filled.bytes_copied_locally += piece.numel() * piece.element_size()
+        filled.bytes_sent, filled.bytes_received = exchange_pieces(
+            transfers,
+            fields,
+            rank,
+            dist.get_world_size(group),
+            group,
+            read_piece=lambda t, f: read_piece(old_slots[(t.table, t.src_rect)], t, f),
+            write_piece=lambda t, f, data: write_piece(
+                new_slots[(t.table, t.dst_rect)], t, f, data, merges
+            ),
+            device=device,
+            max_inflight_bytes=max_inflight_bytes,
+            target_piece=lambda t, f: target_piece(
+                new_slots[(t.table, t.dst_rect)], t, f
+            ),
+            on_round=on_round,
+        )
+        merges.finish()
+    return filled
+
+
 def _progress_bar(enabled: bool) -> Optional[Callable[[int, int], None]]:
     """A tqdm bar over the exchange rounds, created on the first round."""
     if not enabled:
@@ -473,42 +564,24 @@ class PreparedReshard:
         ]
         old_slots = adapter.local_slots(old_lookups)
         new_slots = adapter.local_slots(module.groups.new_lookups)
-        in_place = set(kept_in_place(old_slots, new_slots))
-        for key in in_place:
-            report.tables_kept_in_place.append(key[0])
-            report.bytes_kept_in_place += slot_bytes(new_slots[key])
-        merges = RowwiseMerges()
-        with torch.no_grad():
-            zero_undelivered_state(new_slots, fields, in_place)
-            for transfer in module.transfers.local_copies(rank):
-                if (transfer.table, transfer.dst_rect) in in_place:
-                    continue  # the new kernel already holds it: same memory
-                src = old_slots[(transfer.table, transfer.src_rect)]
-                dst = new_slots[(transfer.table, transfer.dst_rect)]
-                for f in fields[transfer.table]:
-                    piece = read_piece(src, transfer, f)
-                    write_piece(dst, transfer, f, piece, merges)
-                    report.bytes_copied_locally += piece.numel() * piece.element_size()
-            report.bytes_sent, report.bytes_received = exchange_pieces(
-                module.transfers,
-                fields,
-                rank,
-                dist.get_world_size(group),
-                group,
-                read_piece=lambda t, f: read_piece(
-                    old_slots[(t.table, t.src_rect)], t, f
-                ),
-                write_piece=lambda t, f, data: write_piece(
-                    new_slots[(t.table, t.dst_rect)], t, f, data, merges
-                ),
-                device=self._device or torch.device("cpu"),
-                max_inflight_bytes=self._options.max_inflight_bytes,
-                target_piece=lambda t, f: target_piece(
-                    new_slots[(t.table, t.dst_rect)], t, f
-                ),
-                on_round=_progress_bar(self._options.progress and rank == 0),
-            )
-            merges.finish()
+        moved = fill_slots(
+            module.transfers,
+            fields,
+            old_slots,
+            new_slots,
+            rank,
+            group,
+            self._device or torch.device("cpu"),
+            self._options.max_inflight_bytes,
+            on_round=_progress_bar(self._options.progress and rank == 0),
+        )
+        report.tables_kept_in_place += [key[0] for key in moved.kept_in_place]
+        report.bytes_kept_in_place += moved.bytes_kept_in_place
+        report.bytes_copied_locally += moved.bytes_copied_locally
+        report.bytes_sent, report.bytes_received = (
+            moved.bytes_sent,
+            moved.bytes_received,
+        )
 
     def _swap(self, module: _ModuleReshard) -> None:
         """Installs a module's new groups, retires the old ones, frees memory."""

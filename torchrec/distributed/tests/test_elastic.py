@@ -32,7 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.resharding import elastic, ReshardAbortedError, ReshardOptions
+from torchrec.distributed.resharding import (
+    ReshardAbortedError,
+    ReshardOptions,
+    transaction,
+)
 from torchrec.distributed.resharding.elastic import dry_run_move, move_model
 from torchrec.distributed.resharding.kernel_state import batched_kernels, read_piece
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
@@ -252,7 +256,7 @@ def _failed_move(
     addresses = _shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
     read = _failing_read_piece() if rank == old[0] else read_piece
     try:
-        with mock.patch.object(elastic, "read_piece", read):
+        with mock.patch.object(transaction, "read_piece", read):
             move_model(
                 model if rank in old else None,
                 plan,
