@@ -9,27 +9,38 @@
 
 """
 Live resharding of sharded embedding modules: move tables or table shards
-between ranks (and between sharding types) inside a running job.
+between ranks (and between sharding types, and between sets of ranks) inside
+a running job.
 
-* ``plan`` — pure: layouts as rectangles, transfers, validation;
-* ``exchange`` — collectives: the bounded agreement and the all-to-all of the
-  pieces on a process group of the transaction's own;
-* ``transaction`` — the driver: prepare (validate, build, agree, plan), then
-  execute (exchange, swap);
-* ``install`` / ``install_ec`` — module surgery: what the driver needs to know
-  about a ``ShardedEmbeddingBagCollection`` / ``ShardedEmbeddingCollection``;
-* ``groups`` — building a module's new sharding groups, detached from it;
-* ``kernel_state`` — reading and writing the state of a kernel's shards;
-* ``optimizer_state`` — the fused optimizer's per-kernel state;
-* ``storage`` — kernel memory: kept tables keep their storage, old storage is
+* ``plan`` — pure: layouts as rectangles, each rank's transfers, validation;
+* ``fields`` — pure: the state that travels with a table (fields, facts);
+* ``options`` — how a transaction runs;
+* ``agreement`` — the bounded agreement of the participants on the job's
+  store (a coordinator merges, everyone reads one decision);
+* ``exchange`` — the one executor: a rank's part of the plan over the
+  transaction's own process group;
+* ``runner`` — the one transaction runner: agree, build, exchange, commit;
+* ``kernel_state`` / ``optimizer_state`` — a kernel's shards and fused
+  optimizer state as slots the executor reads and writes;
+* ``storage`` — kernel memory: kept shards keep their storage, old storage is
   released only where nobody else can see it;
+* ``install`` / ``install_ec`` / ``groups`` — module surgery: what a reshard
+  needs to know about a ``ShardedEmbeddingBagCollection`` /
+  ``ShardedEmbeddingCollection``, and building its new groups;
+* ``transaction`` — a reshard within a process group (modules of one group);
 * ``model`` — ``DistributedModelParallel``: a whole new plan in one
   transaction, and its dry run;
-* ``elastic_plan`` — pure: a move between groups of ranks, its layouts in
-  global ranks and the checks every participant runs on the shared facts;
+* ``elastic_plan`` — pure: a move between groups of ranks, its layouts and the
+  checks of the shared facts;
+* ``model_view`` — a model as the moves see it;
 * ``elastic`` — a model onto another set of ranks (shrink, grow, any set);
 * ``unshard`` — a model unsharded onto one rank, or sharded from the one rank
-  holding its weights.
+  holding its weights;
+* ``load`` — the load a running model measures (ids per feature, time per
+  rank), ``replan`` — TorchRec's planner on the measured load and its cost
+  predictions, ``relabel`` — the candidate's ranks relabelled to keep the most
+  bytes in place, ``policy`` — when a reshard pays (pure), ``rebalancer`` —
+  the loop that measures, decides and reshards while the job trains.
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa
@@ -39,24 +50,39 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     MoveDryRun,
     MoveReport,
 )
+from torchrec.distributed.resharding.load import (  # noqa
+    LoadMonitor,
+    LoadStatistics,
+    TableLoad,
+)
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
-    DryRunReport,
     ModelReshardReport,
     plan_delta,
-    prepare_model_reshard,
     reshard_model,
 )
+from torchrec.distributed.resharding.options import ReshardOptions, StorageMode  # noqa
 from torchrec.distributed.resharding.plan import (  # noqa
     ReshardAbortedError,
     ReshardError,
 )
-from torchrec.distributed.resharding.storage import StorageMode  # noqa
+from torchrec.distributed.resharding.policy import PolicyState, RebalancePolicy  # noqa
+from torchrec.distributed.resharding.rebalancer import (  # noqa
+    RebalanceDecision,
+    RebalanceError,
+    Rebalancer,
+    ReshardOutcome,
+)
+from torchrec.distributed.resharding.relabel import relabel_plan, Relabelling  # noqa
+from torchrec.distributed.resharding.replan import (  # noqa
+    measured_constraints,
+    PlanCost,
+    predict_rank_costs,
+)
+from torchrec.distributed.resharding.runner import PhaseTimes  # noqa
 from torchrec.distributed.resharding.transaction import (  # noqa
-    prepare_reshard,
-    PreparedReshard,
+    DryRunReport,
     reshard_module,
-    ReshardOptions,
     ReshardReport,
 )
 from torchrec.distributed.resharding.unshard import (  # noqa
@@ -68,11 +94,11 @@ from torchrec.distributed.resharding.unshard import (  # noqa
 __all__ = [
     "DryRunReport",
     "ModelReshardReport",
+    "PhaseTimes",
     "MoveDryRun",
     "MovedModel",
     "MoveReport",
     "UnshardedModel",
-    "PreparedReshard",
     "ReshardAbortedError",
     "ReshardError",
     "ReshardOptions",
@@ -82,10 +108,22 @@ __all__ = [
     "dry_run_move",
     "move_model",
     "plan_delta",
-    "prepare_model_reshard",
-    "prepare_reshard",
     "reshard_model",
     "reshard_module",
     "shard_from_rank",
     "unshard_model",
+    "LoadMonitor",
+    "LoadStatistics",
+    "PlanCost",
+    "PolicyState",
+    "RebalanceDecision",
+    "RebalanceError",
+    "RebalancePolicy",
+    "Rebalancer",
+    "Relabelling",
+    "ReshardOutcome",
+    "TableLoad",
+    "measured_constraints",
+    "predict_rank_costs",
+    "relabel_plan",
 ]

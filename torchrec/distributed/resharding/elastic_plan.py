@@ -8,33 +8,32 @@
 # pyre-strict
 
 """
-Planning a move between groups of ranks (pure: no collectives, no modules).
+Planning a move between groups of ranks (pure: no collectives, no modules, no
+kernels).
 
-Layouts of a plan in global ranks, the transfers of a move numbered in the
-participants' ranks, and the facts every participant shares before anything
-moves, with the checks that turn them into one agreed move (the same outcome
-on every rank, since every rank checks the same facts).
+A move is numbered in its participants: the union of the old and the new
+group, sorted by global rank; a transaction rank is a position in it. Layouts
+of a plan are read once, in that numbering (:func:`plan_layouts`). Before
+anything moves, every participant states its facts (:class:`MoveFacts`, as
+large as its own part: the groups, the plan and the dense part travel whole
+only from the first rank of the old group, the others send digests of
+theirs), and the coordinator turns them into one :class:`AgreedMove` with the
+same checks for everyone (:func:`check_move_agreement`).
 """
 
-import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec.distributed.resharding.exchange import Field
-from torchrec.distributed.resharding.optimizer_state import (
-    merge_table_facts,
-    TableFacts,
-)
+import torch
+from torchrec.distributed.resharding.fields import Field, merge_table_facts, TableFacts
 from torchrec.distributed.resharding.plan import (
-    describe_parameter_sharding,
     layout_from_parameter_sharding,
     PlacedShard,
-    plan_table_transfers,
     Rect,
     ReshardError,
-    ReshardPlan,
+    sharding_plan_text,
     TableLayout,
-    Transfer,
+    text_digest,
     validate_parameter_sharding,
 )
 from torchrec.distributed.types import ShardingPlan
@@ -48,34 +47,63 @@ def table_key(path: str, table: str) -> str:
     return f"{path}:{table}"
 
 
+@dataclass(frozen=True)
+class DenseSpec:
+    """
+    One tensor of a model's dense (replicated) part.
+
+    Args:
+        name (str): its name in the model.
+        shape (Tuple[int, ...]): its shape.
+        dtype (torch.dtype): its dtype.
+    """
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+def dense_specs(tensors: Mapping[str, torch.Tensor]) -> List[DenseSpec]:
+    """The specs of dense tensors, by name."""
+    return [DenseSpec(n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())]
+
+
 def plan_layouts(
     plan: ShardingPlan,
     tables: Mapping[str, Sequence[TableShape]],
-    group_ranks: Sequence[int],
+    ranks: Sequence[int],
 ) -> Dict[str, TableLayout]:
     """
     Args:
         plan (ShardingPlan): a plan for a group (group-local placements).
         tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
-        group_ranks (Sequence[int]): the group's global ranks.
+        ranks (Sequence[int]): the transaction rank of each group-local rank.
 
     Returns:
-        Dict[str, TableLayout]: "path:table" -> its layout, in global ranks.
+        Dict[str, TableLayout]: "path:table" -> its layout, in transaction
+        ranks.
     """
     out: Dict[str, TableLayout] = {}
-    to_global = dict(enumerate(group_ranks))
+    numbering = dict(enumerate(ranks))
     for path, shapes in sorted(tables.items()):
         for name, rows, cols in shapes:
             ps = plan.plan[path][name]
-            layout = layout_from_parameter_sharding(ps, rows, cols, len(group_ranks))
-            out[table_key(path, name)] = layout.remap_ranks(to_global)
+            layout = layout_from_parameter_sharding(ps, rows, cols, len(ranks))
+            out[table_key(path, name)] = layout.remap_ranks(numbering)
     return out
 
 
 def whole_on(
     tables: Mapping[str, Sequence[TableShape]], rank: int
 ) -> Dict[str, TableLayout]:
-    """Every table whole on one (global) rank."""
+    """Every table whole on one (transaction) rank."""
     return {
         table_key(path, name): TableLayout(
             rows, cols, (PlacedShard(rank, Rect(0, 0, rows, cols)),)
@@ -85,49 +113,181 @@ def whole_on(
     }
 
 
-def move_transfers(
-    old: Mapping[str, TableLayout],
-    new: Mapping[str, TableLayout],
-    union: Sequence[int],
-) -> ReshardPlan:
-    """Transfers in the union's ranks (its order numbers them)."""
-    local = {g: i for i, g in enumerate(union)}
-    olds = {k: v.remap_ranks(local) for k, v in old.items()}
-    news = {k: v.remap_ranks(local) for k, v in new.items()}
-    transfers: List[Transfer] = []
-    for key in sorted(news):
-        transfers.extend(plan_table_transfers(key, olds[key], news[key]))
-    return ReshardPlan(tuple(transfers), olds, news)
+def request_digest(*parts: str) -> int:
+    return text_digest("\n".join(parts))
+
+
+def plan_digest(plan: ShardingPlan) -> int:
+    return text_digest(sharding_plan_text(plan))
 
 
 @dataclass
 class MoveFacts:
-    """What a participant tells the others before anything moves."""
+    """
+    What a participant tells the coordinator before anything moves. Whole
+    values travel from the old group's first rank only (``old_plan``,
+    ``tables``, ``dense``, the groups); every rank of a group sends digests
+    of what it holds, so the coordinator can check that they agree.
 
+    Args:
+        old_group (Optional[int]): digest of the old group's ranks (ranks of
+            the old group).
+        new_group (Optional[int]): digest of the new group's ranks (ranks of
+            the new group).
+        old_ranks (Optional[List[int]]): the old group's global ranks (from
+            the old group's first rank).
+        new_ranks (Optional[List[int]]): the new group's global ranks (from
+            the new group's first rank).
+        old_plan (Optional[ShardingPlan]): the model's plan (old group's first
+            rank).
+        plan (Optional[int]): digest of the model's plan (old group).
+        tables (Optional[Dict[str, List[TableShape]]]): the model's tables
+            (old group's first rank).
+        model (Optional[int]): digest of the model's tables (old group).
+        defined (Optional[int]): digest of the tables of the definition a
+            rank of the new group builds from.
+        defined_text (Optional[str]): those tables, as text (for messages).
+        table_facts (Optional[Dict[str, TableFacts]]): the facts of this rank's
+            table shards, per module path (old group).
+        dense (Optional[List[DenseSpec]]): the dense part (old group's first
+            rank).
+        has_optimizer (bool): a dense optimizer is passed (old group).
+        pipelined (Optional[List[str]]): modules attached to a train pipeline.
+        kept_runs (Optional[Dict[str, List[List[str]]]]): this rank's runs of
+            kept shards (``storage.run_facts``).
+    """
+
+    old_group: Optional[int] = None
+    new_group: Optional[int] = None
     old_ranks: Optional[List[int]] = None
     new_ranks: Optional[List[int]] = None
     old_plan: Optional[ShardingPlan] = None
+    plan: Optional[int] = None
     tables: Optional[Dict[str, List[TableShape]]] = None
-    defined_tables: Optional[Dict[str, List[TableShape]]] = None
+    model: Optional[int] = None
+    defined: Optional[int] = None
+    defined_text: Optional[str] = None
     table_facts: Optional[Dict[str, TableFacts]] = None
-    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
+    dense: Optional[List[DenseSpec]] = None
     has_optimizer: bool = False
     pipelined: Optional[List[str]] = None
-    # module path -> the tables of each run of kept shards (elastic_storage)
     kept_runs: Optional[Dict[str, List[List[str]]]] = None
 
 
-def plan_text(plan: ShardingPlan) -> str:
-    return "\n".join(
-        f"{path}:{table}={describe_parameter_sharding(ps)}"
-        for path in sorted(plan.plan)
-        for table, ps in sorted(plan.plan[path].items())
+def tables_digest(tables: Mapping[str, Sequence[TableShape]]) -> int:
+    return text_digest(repr(sorted((p, list(t)) for p, t in tables.items())))
+
+
+def ranks_digest(ranks: Sequence[int]) -> int:
+    return text_digest(",".join(str(r) for r in ranks))
+
+
+@dataclass
+class AgreedMove:
+    """What every participant knows after the agreement."""
+
+    union: List[int]
+    old_ranks: List[int]
+    new_ranks: List[int]
+    old_plan: ShardingPlan
+    tables: Dict[str, List[TableShape]]
+    table_facts: Dict[str, TableFacts]
+    dense: List[DenseSpec]
+    has_optimizer: bool
+    # module path -> table -> its batch key (``storage.batch_keys``)
+    batch_keys: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+
+    def transaction_ranks(self, group: Sequence[int]) -> List[int]:
+        """The transaction rank of each rank of a group."""
+        index = {g: i for i, g in enumerate(self.union)}
+        return [index[g] for g in group]
+
+    def fields(self) -> Dict[str, Tuple[Field, ...]]:
+        """The fields of every table, by "path:table"."""
+        return {
+            table_key(path, name): self.table_facts[path].fields_of(name)
+            for path, shapes in self.tables.items()
+            for name, _, _ in shapes
+        }
+
+
+def _one_value(values: Sequence[Any], what: str) -> Any:
+    present = [v for v in values if v is not None]
+    distinct: List[Any] = []
+    for v in present:
+        if v not in distinct:
+            distinct.append(v)
+    if len(distinct) > 1:
+        raise ReshardError(f"ranks passed different {what}")
+    return distinct[0] if distinct else None
+
+
+def check_move_agreement(
+    union: List[int], all_facts: Sequence[MoveFacts]
+) -> AgreedMove:
+    """
+    The coordinator's checks of every participant's facts.
+
+    Args:
+        union (List[int]): the participants' global ranks, sorted.
+        all_facts (Sequence[MoveFacts]): their facts, in that order.
+
+    Returns:
+        AgreedMove: the move every participant runs.
+
+    Raises:
+        ReshardError: naming the rank and the reason.
+    """
+    _one_value([f.old_group for f in all_facts], "old groups")
+    _one_value([f.new_group for f in all_facts], "new groups")
+    old_ranks = _one_value([f.old_ranks for f in all_facts], "old groups")
+    new_ranks = _one_value([f.new_ranks for f in all_facts], "new groups")
+    if old_ranks is None or new_ranks is None:
+        raise ReshardError("no rank passed the model, or no rank the new group")
+    if sorted(set(old_ranks) | set(new_ranks)) != union:
+        raise ReshardError(
+            f"the participants {union} must be the old group {old_ranks} and the "
+            f"new group {new_ranks} together"
+        )
+    for rank, facts in zip(union, all_facts):
+        if rank in old_ranks and facts.old_group is None:
+            raise ReshardError(f"rank {rank} is in the old group but passed no model")
+        if rank in new_ranks and facts.new_group is None:
+            raise ReshardError(f"rank {rank} is in the new group but passed no env")
+        if facts.pipelined:
+            raise ReshardError(
+                f"rank {rank}: modules {facts.pipelined} are attached to a train "
+                "pipeline, whose batches in flight went through the old group's "
+                "input dist; call pipeline.detach() before the move (run the "
+                "pipeline dry first to train those batches) and build a pipeline "
+                "on the moved model"
+            )
+    holders = [f for f, r in zip(all_facts, union) if r in old_ranks]
+    _one_value([f.plan for f in holders], "model plans")
+    model = _one_value([f.model for f in holders], "models")
+    first = all_facts[union.index(old_ranks[0])]
+    if first.old_plan is None or first.tables is None:
+        raise ReshardError(f"rank {old_ranks[0]} passed no model")
+    for rank, facts in zip(union, all_facts):
+        if facts.defined is not None and facts.defined != model:
+            raise ReshardError(
+                f"the model definition of rank {rank} has the tables "
+                f"{facts.defined_text}, the model {first.tables}"
+            )
+    table_facts = {
+        path: merge_table_facts([f.table_facts[path] for f in holders if f.table_facts])
+        for path in first.tables
+    }
+    return AgreedMove(
+        union,
+        old_ranks,
+        new_ranks,
+        first.old_plan,
+        first.tables,
+        table_facts,
+        first.dense or [],
+        first.has_optimizer,
     )
-
-
-def request_digest(*parts: str) -> int:
-    text = "\n".join(parts)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
 
 
 def validate_new_plan(
@@ -136,6 +296,14 @@ def validate_new_plan(
     world_size: int,
     device_type: str,
 ) -> None:
+    """
+    Checks a plan for a model's modules on a group of ``world_size`` ranks.
+
+    Raises:
+        ReshardError: naming the module, table and reason.
+    """
+    if not isinstance(plan, ShardingPlan):
+        raise ReshardError(f"expected a ShardingPlan, got {type(plan).__name__}")
     if set(plan.plan) != set(tables):
         raise ReshardError(
             f"the new plan covers modules {sorted(plan.plan)}, the model has "
@@ -155,90 +323,3 @@ def validate_new_plan(
                 )
             except ReshardError as e:
                 raise ReshardError(f"module '{path}': {e}") from None
-
-
-def agreed_value(values: Sequence[Any], what: str) -> Any:
-    present = [v for v in values if v is not None]
-    distinct: List[Any] = []
-    for v in present:
-        if v not in distinct:
-            distinct.append(v)
-    if len(distinct) > 1:
-        raise ReshardError(f"ranks passed different {what}: {distinct}")
-    return distinct[0] if distinct else None
-
-
-@dataclass
-class AgreedMove:
-    """What every participant knows after the agreement."""
-
-    union: List[int]
-    old_ranks: List[int]
-    new_ranks: List[int]
-    old_plan: ShardingPlan
-    tables: Dict[str, List[TableShape]]
-    table_facts: Dict[str, TableFacts]
-    dense: List[Tuple[str, Tuple[int, ...], str]]
-    has_optimizer: bool
-
-
-def check_move_agreement(
-    union: List[int], all_facts: Sequence[MoveFacts]
-) -> AgreedMove:
-    """The same checks on every rank, on the same facts: the same outcome."""
-    old_ranks = agreed_value([f.old_ranks for f in all_facts], "old groups")
-    new_ranks = agreed_value([f.new_ranks for f in all_facts], "new groups")
-    if old_ranks is None or new_ranks is None:
-        raise ReshardError("no rank passed the model, or no rank the new group")
-    if sorted(set(old_ranks) | set(new_ranks)) != union:
-        raise ReshardError(
-            f"the participants {union} must be the old group {old_ranks} and the "
-            f"new group {new_ranks} together"
-        )
-    for rank, facts in zip(union, all_facts):
-        if rank in old_ranks and facts.old_ranks is None:
-            raise ReshardError(f"rank {rank} is in the old group but passed no model")
-        if rank in new_ranks and facts.new_ranks is None:
-            raise ReshardError(f"rank {rank} is in the new group but passed no env")
-    for rank, facts in zip(union, all_facts):
-        if facts.pipelined:
-            raise ReshardError(
-                f"rank {rank}: modules {facts.pipelined} are attached to a train "
-                "pipeline, whose batches in flight went through the old group's "
-                "input dist; call pipeline.detach() before the move (run the "
-                "pipeline dry first to train those batches) and build a pipeline "
-                "on the moved model"
-            )
-    model_tables = agreed_value(
-        [f.tables for f, r in zip(all_facts, union) if r in old_ranks], "models"
-    )
-    for rank, facts in zip(union, all_facts):
-        defined = facts.defined_tables
-        if defined is not None and defined != model_tables:
-            raise ReshardError(
-                f"the model definition of rank {rank} has the tables {defined}, "
-                f"the model {model_tables}"
-            )
-    holders = [f for f, r in zip(all_facts, union) if r in old_ranks]
-    table_facts = {
-        path: merge_table_facts([f.table_facts[path] for f in holders if f.table_facts])
-        for path in model_tables
-    }
-    return AgreedMove(
-        union,
-        old_ranks,
-        new_ranks,
-        holders[0].old_plan,
-        model_tables,
-        table_facts,
-        holders[0].dense or [],
-        holders[0].has_optimizer,
-    )
-
-
-def move_fields(agreed: AgreedMove) -> Dict[str, List[Field]]:
-    return {
-        table_key(path, name): agreed.table_facts[path].fields_of(name)
-        for path, shapes in agreed.tables.items()
-        for name, _, _ in shapes
-    }

@@ -22,6 +22,7 @@ module's attributes.
 
 import abc
 import gc
+import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +48,9 @@ from torchrec.distributed.types import (
     ParameterSharding,
     ShardingEnv,
 )
+
+# How long a graph that only finished collectives still hold may take to go.
+COLLECTIVE_RELEASE_GRACE_S = 2.0
 
 
 class ShardedModuleAdapter(abc.ABC):
@@ -94,7 +98,17 @@ class ShardedModuleAdapter(abc.ABC):
         if not self.module.has_pending_backward():
             return False
         gc.collect()
-        return self.module.has_pending_backward()
+        # A collective that completed may hold the lookup outputs a moment
+        # longer: gloo's worker thread drops its work item (and the tensors in
+        # it) only after marking it complete and taking its queue lock again,
+        # which under load can come well after ``wait()`` returned. Nobody can
+        # run backward through such a graph; give that moment, bounded.
+        deadline = time.monotonic() + COLLECTIVE_RELEASE_GRACE_S
+        while self.module.has_pending_backward():
+            if time.monotonic() > deadline:
+                return True
+            time.sleep(0.005)
+        return False
 
     def sharding_infos(self) -> Mapping[str, List[EmbeddingShardingInfo]]:
         """The module's tables per sharding type, in group order."""

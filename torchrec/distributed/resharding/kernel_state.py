@@ -10,14 +10,17 @@
 """
 Per-kernel state I/O for live resharding: every local shard of a sharded
 module's lookups as a :class:`LocalSlot` (the weight and the fused optimizer
-state that follow its rectangle, as views into the batched kernels' storage),
-and how a transferred piece is read from an old slot and written into a new one.
+state that follow its rectangle, as views into the batched kernels' storage,
+each with the kind the optimizer's state layout gives it), and
+:class:`SlotIO`, the executor's read/write interface over old and new slots.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from typing import (
     AbstractSet,
     Any,
+    Callable,
     Dict,
     Iterator,
     List,
@@ -28,6 +31,7 @@ from typing import (
 )
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed.batched_embedding_kernel import (
@@ -36,10 +40,8 @@ from torchrec.distributed.batched_embedding_kernel import (
     BatchedFusedEmbedding,
     BatchedFusedEmbeddingBag,
 )
-from torchrec.distributed.resharding.exchange import Field, field_kind, FieldKind
-from torchrec.distributed.resharding.plan import Rect, Transfer
-
-WEIGHT = "weight"
+from torchrec.distributed.resharding.fields import Field, FieldKind, WEIGHT
+from torchrec.distributed.resharding.plan import Rect, ReshardError, Transfer
 
 SlotKey = Tuple[str, Rect]
 
@@ -54,11 +56,21 @@ class LocalSlot:
         rect (Rect): the shard, in global coordinates.
         tensors (Dict[str, torch.Tensor]): "weight" and fused optimizer state,
             views into the lookup's storage (RECT tensors viewed as 2D).
+        kinds (Dict[str, FieldKind]): how each tensor follows the rectangle
+            (missing: RECT, the weight's kind).
     """
 
     table: str
     rect: Rect
     tensors: Dict[str, torch.Tensor]
+    kinds: Dict[str, FieldKind] = dataclasses.field(default_factory=dict)
+
+    def fields(self) -> Tuple[Field, ...]:
+        """The fields of the slot's tensors (weights first)."""
+        return tuple(
+            Field(name, self.kinds.get(name, FieldKind.RECT), t.dtype)
+            for name, t in self.tensors.items()
+        )
 
 
 def unwrap_lookup(lookup: nn.Module) -> nn.Module:
@@ -124,31 +136,109 @@ def local_slots(lookups: Sequence[nn.Module]) -> Dict[SlotKey, LocalSlot]:
                 # Stateless optimizers (SGD) report no entries at all.
                 for i, state in enumerate(batched.emb_module.get_optimizer_state()):
                     states[i] = state or {}
+            layout = optimizer_state_layout(batched) if is_fused(batched) else {}
             for table, weight, state in zip(tables, weights, states):
                 rect = shard_rect(table)
                 tensors: Dict[str, torch.Tensor] = {WEIGHT: weight.detach()}
+                kinds: Dict[str, FieldKind] = {WEIGHT: FieldKind.RECT}
                 for key, value in state.items():
-                    if field_kind(value, rect.rows, rect.cols) == FieldKind.RECT:
-                        value = value.view(rect.rows, rect.cols)
-                    tensors[key] = value
-                slots[(table.name, rect)] = LocalSlot(table.name, rect, tensors)
+                    kind = _state_kind(batched, layout, key)
+                    tensors[key] = _shaped(value, kind, rect, table.name, key)
+                    kinds[key] = kind
+                slots[(table.name, rect)] = LocalSlot(table.name, rect, tensors, kinds)
     return slots
 
 
-def describe_fields(slot: LocalSlot) -> List[Tuple[str, str, str]]:
-    """(name, kind, dtype) of every tensor of a slot, as plain picklable text."""
-    return [
-        (name, field_kind(t, slot.rect.rows, slot.rect.cols).value, str(t.dtype))
-        for name, t in slot.tensors.items()
-    ]
+# How each state of fbgemm's fused optimizers follows a table's rectangles, by
+# optimizer, as fbgemm lays it out (``split_optimizer_states``): per element,
+# per row, or one value for the whole kernel.
+_ROWWISE_ADAGRAD: Dict[str, FieldKind] = {
+    "sum": FieldKind.ROWS,
+    "prev_iter": FieldKind.ROWS,
+    "row_counter": FieldKind.ROWS,
+    "iter": FieldKind.SCALAR,
+}
+_STATE_LAYOUTS: Dict[EmbOptimType, Dict[str, FieldKind]] = {
+    EmbOptimType.EXACT_SGD: {},
+    EmbOptimType.SGD: {},
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: _ROWWISE_ADAGRAD,
+    EmbOptimType.ROWWISE_ADAGRAD: _ROWWISE_ADAGRAD,
+    EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD: _ROWWISE_ADAGRAD,
+    EmbOptimType.EXACT_ADAGRAD: {**_ROWWISE_ADAGRAD, "sum": FieldKind.RECT},
+    EmbOptimType.ADAM: {
+        "exp_avg": FieldKind.RECT,
+        "exp_avg_sq": FieldKind.RECT,
+        "row_counter": FieldKind.ROWS,
+    },
+    EmbOptimType.LAMB: {"exp_avg": FieldKind.RECT, "exp_avg_sq": FieldKind.RECT},
+    EmbOptimType.PARTIAL_ROWWISE_ADAM: {
+        "exp_avg": FieldKind.RECT,
+        "exp_avg_sq": FieldKind.ROWS,
+    },
+    EmbOptimType.PARTIAL_ROWWISE_LAMB: {
+        "exp_avg": FieldKind.RECT,
+        "exp_avg_sq": FieldKind.ROWS,
+    },
+    EmbOptimType.ENSEMBLE_ROWWISE_ADAGRAD: {
+        "sum": FieldKind.ROWS,
+        "sparse_ema": FieldKind.ROWS,
+    },
+}
 
 
-def fields_from_description(described: Sequence[Tuple[str, str, str]]) -> List[Field]:
-    """The inverse of :func:`describe_fields`."""
-    return [
-        Field(name, FieldKind(kind), getattr(torch, dtype.replace("torch.", "")))
-        for name, kind, dtype in described
-    ]
+def optimizer_state_layout(batched: nn.Module) -> Dict[str, FieldKind]:
+    """
+    Args:
+        batched (nn.Module): a fused batched kernel.
+
+    Returns:
+        Dict[str, FieldKind]: how each of its optimizer states follows a
+        table's rectangles.
+
+    Raises:
+        ReshardError: for an optimizer whose state layout resharding does not
+            know.
+    """
+    optimizer = batched.emb_module.optimizer
+    layout = _STATE_LAYOUTS.get(EmbOptimType(optimizer.value))
+    if layout is None:
+        raise ReshardError(
+            f"the state of fused optimizer '{optimizer.value}' cannot be resharded "
+            f"(known: {', '.join(sorted(o.value for o in _STATE_LAYOUTS))})"
+        )
+    return layout
+
+
+def _state_kind(
+    batched: nn.Module, layout: Mapping[str, FieldKind], key: str
+) -> FieldKind:
+    kind = layout.get(key)
+    if kind is None:
+        raise ReshardError(
+            f"fused optimizer '{batched.emb_module.optimizer.value}' has a state "
+            f"'{key}' whose layout resharding does not know"
+        )
+    return kind
+
+
+def _shaped(
+    value: torch.Tensor, kind: FieldKind, rect: Rect, table: str, key: str
+) -> torch.Tensor:
+    """A state tensor in its kind's shape, checked against the shard."""
+    expected = {
+        FieldKind.RECT: rect.numel,
+        FieldKind.ROWS: rect.rows,
+        FieldKind.SCALAR: 1,
+    }[kind]
+    if value.numel() != expected:
+        raise ReshardError(
+            f"table '{table}': optimizer state '{key}' has {value.numel()} values, "
+            f"its {kind.value} layout on a {rect.rows}x{rect.cols} shard needs "
+            f"{expected}"
+        )
+    if kind == FieldKind.RECT:
+        return value.view(rect.rows, rect.cols)
+    return value
 
 
 def read_piece(slot: LocalSlot, transfer: Transfer, f: Field) -> torch.Tensor:
@@ -308,3 +398,80 @@ def kept_in_place(
 def slot_bytes(slot: LocalSlot) -> int:
     """Bytes of every tensor of a slot."""
     return sum(t.numel() * t.element_size() for t in slot.tensors.values())
+
+
+class SlotIO:
+    """
+    The executor's read/write interface (``exchange.PieceIO``) over a rank's
+    old and new slots: pieces are read from old slots and written into new
+    ones; row-wise state joined from column pieces is merged exactly; slots
+    whose kernel took over the old storage are neither copied nor written.
+    State no piece delivers starts from zero. Build it with :func:`slot_io`.
+
+    Args:
+        old_slots (Mapping[SlotKey, LocalSlot]): this rank's old shards.
+        new_slots (Mapping[SlotKey, LocalSlot]): this rank's new shards.
+        in_place (AbstractSet[SlotKey]): new slots that share the old storage.
+    """
+
+    def __init__(
+        self,
+        old_slots: Mapping[SlotKey, LocalSlot],
+        new_slots: Mapping[SlotKey, LocalSlot],
+        in_place: AbstractSet[SlotKey],
+    ) -> None:
+        self._old = old_slots
+        self._new = new_slots
+        self.in_place: AbstractSet[SlotKey] = in_place
+        self._merges = RowwiseMerges()
+
+    def resolve(self, transfer: Transfer, f: Field) -> torch.Tensor:
+        return read_piece(self._old[(transfer.table, transfer.src_rect)], transfer, f)
+
+    def target(self, transfer: Transfer, f: Field) -> Optional[torch.Tensor]:
+        return target_piece(self._new[(transfer.table, transfer.dst_rect)], transfer, f)
+
+    def commit(self, transfer: Transfer, f: Field, data: torch.Tensor) -> None:
+        write_piece(
+            self._new[(transfer.table, transfer.dst_rect)],
+            transfer,
+            f,
+            data,
+            self._merges,
+        )
+
+    def kept(self, transfer: Transfer) -> bool:
+        return (transfer.table, transfer.dst_rect) in self.in_place
+
+    def finish(self) -> None:
+        self._merges.finish()
+
+
+def slot_io(
+    old_slots: Mapping[SlotKey, LocalSlot],
+    new_slots: Mapping[SlotKey, LocalSlot],
+    fields: Mapping[str, Sequence[Field]],
+) -> SlotIO:
+    """
+    Args:
+        old_slots (Mapping[SlotKey, LocalSlot]): this rank's old shards.
+        new_slots (Mapping[SlotKey, LocalSlot]): this rank's new shards.
+        fields (Mapping[str, Sequence[Field]]): the fields that travel.
+
+    Returns:
+        SlotIO: the interface; new state that no piece delivers is zeroed.
+    """
+    in_place = set(kept_in_place(old_slots, new_slots))
+    with torch.no_grad():
+        zero_undelivered_state(new_slots, fields, in_place)
+    return SlotIO(old_slots, new_slots, in_place)
+
+
+def keyed_slots(
+    slots: Mapping[SlotKey, LocalSlot], key: Callable[[str], str]
+) -> Dict[SlotKey, LocalSlot]:
+    """The same slots under other table names (e.g. "path:table")."""
+    return {
+        (key(table), rect): dataclasses.replace(slot, table=key(table))
+        for (table, rect), slot in slots.items()
+    }

@@ -14,21 +14,25 @@ dry-run the delta between two plans.
 """
 
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
-from torchrec.distributed.resharding.plan import ReshardError
+from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.plan import (
+    ReshardError,
+    sharding_plan_text,
+    text_digest,
+)
+from torchrec.distributed.resharding.runner import PhaseTimes, run_transaction
 from torchrec.distributed.resharding.transaction import (
-    prepare_reshard,
-    PreparedReshard,
-    ReshardOptions,
+    DryRunReport,
+    ModuleReshard,
     ReshardReport,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ParameterSharding, ShardingPlan
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -81,11 +85,13 @@ class ModelReshardReport:
         rank (int): group-local rank.
         modules (Dict[str, ReshardReport]): per resharded module path.
         seconds (float): wall time on this rank.
+        phases (PhaseTimes): wall time of each phase of the transaction.
     """
 
     rank: int
     modules: Dict[str, ReshardReport] = field(default_factory=dict)
     seconds: float = 0.0
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
     @property
     def tables_moved(self) -> Dict[str, List[str]]:
@@ -98,30 +104,6 @@ class ModelReshardReport:
     @property
     def bytes_received(self) -> int:
         return sum(r.bytes_received for r in self.modules.values())
-
-
-@dataclass
-class DryRunReport:
-    """
-    What a reshard would move, computed without moving anything.
-
-    Args:
-        deltas (Dict[str, Dict[str, ParameterSharding]]): per module path, the
-            changed tables with their new sharding.
-        bytes_sent (Dict[int, int]): per rank, bytes it would send.
-        bytes_received (Dict[int, int]): per rank, bytes it would receive.
-        tables_moved (Dict[str, List[str]]): per module path, the tables whose
-            layout changes.
-    """
-
-    deltas: Dict[str, Dict[str, ParameterSharding]]
-    bytes_sent: Dict[int, int]
-    bytes_received: Dict[int, int]
-    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
-
-    @property
-    def tables(self) -> Dict[str, List[str]]:
-        return {path: sorted(delta) for path, delta in self.deltas.items()}
 
 
 def _sharded_module(model: nn.Module, path: str) -> nn.Module:
@@ -141,34 +123,46 @@ def _requests(
     return requests
 
 
-def prepare_model_reshard(
-    model: nn.Module,
-    new_plan: ShardingPlan,
-    options: Optional[ReshardOptions] = None,
-    build: bool = True,
-) -> PreparedReshard:
+class ModelReshard(ModuleReshard):
     """
-    Validates, builds and agrees on moving every sharded module of ``model`` to
-    ``new_plan``, as one transaction; nothing moves yet. Every rank calls it.
+    This rank's part of moving every sharded module of a model to a whole new
+    plan, as one transaction (the delta of each module is derived, and
+    validated, in the agreement).
 
     Args:
         model (DistributedModelParallel): the sharded model.
-        new_plan (ShardingPlan): a whole plan for the model.
-        options (Optional[ReshardOptions]): how to run.
-        build (bool): build the new groups (False for a dry run).
-
-    Returns:
-        PreparedReshard: the agreed reshard.
-
-    Raises:
-        ReshardError: for a bad plan, on every rank.
-        ReshardAbortedError: when a rank does not join within the timeout.
+        new_plan (ShardingPlan): the plan to move to.
+        options (ReshardOptions): how to run.
     """
-    env: ShardingEnv = model._env
-    deltas = plan_delta(model.plan, new_plan)
-    return prepare_reshard(
-        _requests(model, deltas), env, model.device, options, build=build
-    )
+
+    def __init__(
+        self, model: nn.Module, new_plan: ShardingPlan, options: ReshardOptions
+    ) -> None:
+        super().__init__([], model._env, model.device, options)
+        self._model = model
+        self._new_plan = new_plan
+        self._derived: Optional[
+            List[Tuple[str, ShardedModuleAdapter, Dict[str, ParameterSharding]]]
+        ] = None
+
+    def digest(self) -> int:
+        try:
+            return text_digest(sharding_plan_text(self._new_plan))
+        except Exception:  # not a plan at all: validation reports it
+            return text_digest(f"?{type(self._new_plan).__name__}")
+
+    def requests(
+        self,
+    ) -> List[Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]]:
+        if self._derived is None:
+            if not isinstance(self._new_plan, ShardingPlan):
+                raise ReshardError(
+                    f"expected a ShardingPlan, got {type(self._new_plan).__name__}"
+                )
+            self._derived = _requests(
+                self._model, plan_delta(self._model.plan, self._new_plan)
+            )
+        return list(self._derived)
 
 
 def dry_run(
@@ -188,11 +182,11 @@ def dry_run(
     Returns:
         DryRunReport: the delta and the per-rank byte counts.
     """
-    prepared = prepare_model_reshard(model, new_plan, options, build=False)
-    sent, received = prepared.bytes_per_rank()
-    deltas = {path: dict(delta) for path, delta in prepared.deltas.items()}
-    moved = {p: t for p, t in prepared.tables_moved.items() if t}
-    return DryRunReport(deltas, sent, received, moved)
+    options = options or ReshardOptions()
+    outcome = run_transaction(ModelReshard(model, new_plan, options), options, True)
+    report = outcome.dry_run
+    report.phases = outcome.phases
+    return report
 
 
 def reshard_model(
@@ -222,11 +216,11 @@ def reshard_model(
         ReshardAbortedError: when a rank does not join or the exchange fails;
             every module keeps its old sharding.
     """
-    start = time.perf_counter()
     rank = dist.get_rank(model._env.process_group)
-    prepared = prepare_model_reshard(model, new_plan, options)
-    report = ModelReshardReport(rank, prepared.execute())
-    report.seconds = time.perf_counter() - start
+    options = options or ReshardOptions()
+    participant = ModelReshard(model, new_plan, options)
+    phases = run_transaction(participant, options).phases
+    report = ModelReshardReport(rank, participant.reports(phases), phases.total, phases)
     logger.info(
         "model reshard rank %d: %d modules, tables %s, sent %d B, received %d B "
         "in %.3f s",

@@ -15,41 +15,16 @@ shared by every rank in the agreement (:class:`TableFacts`) and set on the new
 kernels before they are filled.
 """
 
-from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Sequence
 
 import torch
 from torch import nn
-from torchrec.distributed.resharding.exchange import Field
+from torchrec.distributed.resharding.fields import TableFacts
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
-    describe_fields,
-    fields_from_description,
     is_fused,
     local_slots,
 )
-
-
-@dataclass
-class TableFacts:
-    """
-    What a rank tells the others about the tables it holds before any data
-    moves (plain picklable values).
-
-    Args:
-        fields (Dict[str, List[Tuple[str, str, str]]]): per table, the tensors
-            that travel with its pieces (name, kind, dtype).
-        learning_rates (Dict[str, float]): per table, its fused kernel's rate.
-        optimizer_iter (int): the highest step count of the fused kernels.
-    """
-
-    fields: Dict[str, List[Tuple[str, str, str]]] = field(default_factory=dict)
-    learning_rates: Dict[str, float] = field(default_factory=dict)
-    optimizer_iter: int = 0
-
-    def fields_of(self, table: str) -> List[Field]:
-        """The fields of a table's pieces (none for a table nobody holds)."""
-        return fields_from_description(self.fields.get(table, []))
 
 
 def local_table_facts(
@@ -67,7 +42,7 @@ def local_table_facts(
     facts = TableFacts()
     for (name, _), slot in local_slots(lookups).items():
         if name in wanted:
-            facts.fields.setdefault(name, describe_fields(slot))
+            facts.fields.setdefault(name, slot.fields())
     for lookup in lookups:
         for batched in batched_kernels(lookup):
             if not is_fused(batched):
@@ -79,24 +54,6 @@ def local_table_facts(
             if isinstance(it, torch.Tensor):
                 facts.optimizer_iter = max(facts.optimizer_iter, int(it.item()))
     return facts
-
-
-def merge_table_facts(all_facts: Sequence[TableFacts]) -> TableFacts:
-    """
-    Args:
-        all_facts (Sequence[TableFacts]): every rank's facts, by rank.
-
-    Returns:
-        TableFacts: the union (the lowest rank's entry wins for a table).
-    """
-    merged = TableFacts()
-    for facts in all_facts:
-        for table, table_fields in facts.fields.items():
-            merged.fields.setdefault(table, table_fields)
-        for table, lr in facts.learning_rates.items():
-            merged.learning_rates.setdefault(table, lr)
-        merged.optimizer_iter = max(merged.optimizer_iter, facts.optimizer_iter)
-    return merged
 
 
 def apply_table_facts(new_lookups: Sequence[nn.Module], facts: TableFacts) -> None:
@@ -123,10 +80,3 @@ def apply_table_facts(new_lookups: Sequence[nn.Module], facts: TableFacts) -> No
             it = getattr(batched.emb_module, "iter", None)
             if isinstance(it, torch.Tensor):
                 it.fill_(facts.optimizer_iter)
-
-
-def fields_by_table(
-    facts: TableFacts, tables: Sequence[str]
-) -> Mapping[str, List[Field]]:
-    """The fields of every planned table."""
-    return {t: facts.fields_of(t) for t in tables}

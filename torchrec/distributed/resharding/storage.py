@@ -8,42 +8,44 @@
 # pyre-strict
 
 """
-Kernel storage for live resharding: where the kernels of a rebuilt sharding
-group get their memory, and what happens to the memory of the old ones.
+Kernel storage for live resharding: where the kernels a transaction builds get
+their memory, and what happens to the memory of the old ones. One mechanism
+serves a reshard within a group and a move between groups.
 
 The tables of one sharding group live in one fbgemm batched kernel per grouped
-config, i.e. one contiguous storage per state (weights, momentum1, ...). When a
-group gains or loses a table it is rebuilt. Everything here goes through
-TorchRec's :class:`KernelBuildHooks` (a patch of the series), scoped to the
-building call in the building thread:
+config, i.e. one contiguous storage per state (weights, momentum1, ...).
+Everything here goes through TorchRec's :class:`KernelBuildHooks` (patches of
+the series), scoped to the building call in the building thread:
 
-* **no initialisation**: the reshard overwrites every byte of the kernels it
-  builds, so they skip random init and fbgemm's zero fill;
-* **kept tables keep their storage** (:attr:`StorageMode.REUSE`, CPU): tables
-  the reshard does not change keep their batch key (TorchRec's ``_batch_key``
-  grouping parameter) while changed tables get one of this reshard's
-  generation, so the kept tables of an old kernel form a grouped config of
-  their own. When they lie back to back in the old kernel's storage, the new
-  kernel is built on a view of it (fbgemm's ``preallocated_host_buffers``; the
-  dense kernel's weights): nothing is copied, and views a caller took of them
-  keep tracking the live table. Otherwise they are copied;
-* **retired storage**: after the swap the old kernels are retired (their
-  reference cycles broken, so they are freed at once, not at the next garbage
-  collection). Their memory goes back to the OS only where nothing outside the
-  module can see it: a storage nobody else references is released (pages of
-  departed tables, or all of it); a storage a caller still references (an old
-  state dict, a tensor from ``local_shards()``) is left exactly as it is and
-  lives on as long as the caller holds it.
+* **no initialisation**: the transaction overwrites every byte of the kernels
+  it builds, so they skip random init and fbgemm's zero fill;
+* **kept shards keep their storage** (:attr:`StorageMode.REUSE`, CPU): on each
+  rank, the shards that stay exactly where they are form *runs*, maximal
+  sequences at consecutive positions of one old kernel
+  (:func:`kept_runs`). Every rank states its runs in the agreement; the
+  coordinator gives every table in a run the same batch key on every rank
+  (:func:`batch_keys`): a :class:`KeptBatchKey` in TorchRec's ``_batch_key``
+  grouping fused param, keeping the user's own key. TorchRec then groups the
+  shards of a run into a kernel of their own, which is built on a view of the
+  old kernel's storage (fbgemm's ``preallocated_host_buffers``; the dense
+  kernel's weights): nothing is copied, and views a caller took of them keep
+  tracking the live table. The key is an object, looked up by equality: no
+  string is ever parsed back;
+* **retired storage**: once the old kernels are retired (their reference
+  cycles broken, so they are freed at once), their memory goes back to the OS
+  only where nothing outside the module can see it: a storage nobody else
+  references is released (the pages of departed tables, or all of it); a
+  storage a caller still references (an old state dict, a tensor from
+  ``local_shards()``) is left exactly as it is.
 
-Every group keeps at most ``MAX_KERNELS_PER_GROUP`` kernels: a reshard that
-would exceed it rebuilds the group as one kernel (kept tables copied).
+Every sharding group keeps at most ``MAX_KERNELS_PER_GROUP`` kernels per rank:
+runs beyond it are copied.
 """
 
-import enum
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -59,9 +61,11 @@ from torchrec.distributed.batched_embedding_kernel import KernelBuildHooks
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.resharding.memory import release_pages
+from torchrec.distributed.resharding.options import (  # noqa: F401 (its old home)
+    StorageMode,
+)
 
 BATCH_KEY = "_batch_key"
-_RESHARD_TAG = "#reshard"
 MAX_KERNELS_PER_GROUP = 4
 
 # Host state of a fused kernel: weights, then the optimizer's momenta.
@@ -74,123 +78,57 @@ _MOMENTUM1_ROWWISE: Dict[EmbOptimType, Optional[bool]] = {
     EmbOptimType.EXACT_ROWWISE_ADAGRAD: True,
 }
 
-
-class StorageMode(enum.Enum):
-    """
-    How a reshard gives memory to the kept tables of a rebuilt group.
-
-    * ``REUSE``: they keep their storage where the device allows it (CPU on
-      Linux); elsewhere they are copied;
-    * ``COPY``: a rebuilt group is always one kernel, kept tables are copied.
-    """
-
-    REUSE = "reuse"
-    COPY = "copy"
+# A run of kept shards: (rank in the transaction, index of the run on it)
+RunId = Tuple[int, int]
+ShardKey = Tuple[str, Tuple[int, ...]]
 
 
 def storage_reuse_supported(device: Optional[torch.device]) -> bool:
     """
-    Kept tables keep their storage only where the pages of departed tables can
+    Kept shards keep their storage only where the pages of departed tables can
     be given back: CPU memory on Linux.
 
     Args:
         device (Optional[torch.device]): the module's device.
 
     Returns:
-        bool: whether rebuilt groups split kept tables into kernels of their own.
+        bool: whether kept shards may keep their storage.
     """
     on_cpu = device is None or device.type == "cpu"
     return on_cpu and sys.platform.startswith("linux")
 
 
-def _batch_key(info: EmbeddingShardingInfo) -> str:
-    return str((info.fused_params or {}).get(BATCH_KEY, ""))
-
-
-def _with_batch_key(info: EmbeddingShardingInfo, key: str) -> EmbeddingShardingInfo:
-    fused_params = dict(info.fused_params or {})
-    fused_params[BATCH_KEY] = key
-    return EmbeddingShardingInfo(
-        embedding_config=info.embedding_config,
-        param_sharding=info.param_sharding,
-        param=info.param,
-        fused_params=fused_params,
-    )
-
-
-def _user_key(info: EmbeddingShardingInfo) -> str:
-    return _batch_key(info).split(_RESHARD_TAG)[0]
-
-
-def _generation_key(info: EmbeddingShardingInfo, generation: int) -> str:
-    # A user's own batch key is kept as the prefix, so their grouping holds.
-    return f"{_user_key(info)}{_RESHARD_TAG}{generation}"
-
-
-def _most_kernels_per_user_key(infos: Sequence[EmbeddingShardingInfo]) -> int:
-    keys: Dict[str, Set[str]] = {}
-    for info in infos:
-        keys.setdefault(_user_key(info), set()).add(_batch_key(info))
-    return max((len(k) for k in keys.values()), default=0)
-
-
-def next_generation(infos: Mapping[str, Sequence[EmbeddingShardingInfo]]) -> int:
+@dataclass(frozen=True)
+class KeptBatchKey:
     """
-    Args:
-        infos (Mapping[str, Sequence[EmbeddingShardingInfo]]): a module's
-            sharding infos.
-
-    Returns:
-        int: one more than the highest reshard generation in their batch keys
-        (1 for a module never resharded); the same on every rank.
-    """
-    generations = [
-        int(_batch_key(info).split(_RESHARD_TAG)[1])
-        for group in infos.values()
-        for info in group
-        if _RESHARD_TAG in _batch_key(info)
-    ]
-    return max(generations, default=0) + 1
-
-
-def split_kept_tables(
-    new_infos: Mapping[str, List[EmbeddingShardingInfo]],
-    changed_types: Sequence[str],
-    changed_tables: Set[str],
-    generation: int,
-) -> None:
-    """
-    Gives the tables of rebuilt groups that the reshard changes a batch key of
-    this reshard's generation, so TorchRec groups them into kernels apart from
-    the tables that stay (which keep their key, hence their old grouping).
-    A group that would split a user's batch key (none, by default) into more
-    than ``MAX_KERNELS_PER_GROUP`` keys gets one key of this generation per
-    user key instead (one kernel each, kept tables copied).
-    Deterministic in its inputs, so every rank groups alike.
+    The batch key (TorchRec's ``_batch_key`` grouping fused param, which only
+    decides which tables share a kernel) of a table in runs of kept shards.
 
     Args:
-        new_infos (Mapping[str, List[EmbeddingShardingInfo]]): the module's
-            sharding infos after the reshard, by sharding type; changed in place.
-        changed_types (Sequence[str]): sharding types whose group is rebuilt.
-        changed_tables (Set[str]): tables whose ParameterSharding changes.
-        generation (int): the module's reshard count, the same on every rank.
-
-    Returns:
-        None
+        user (Any): the user's own batch key, kept (None for none).
+        runs (Tuple[RunId, ...]): the runs the table's shards are in, on every
+            rank: tables of equal runs share kernels, others do not.
     """
-    for sharding_type in changed_types:
-        if sharding_type not in new_infos:
-            continue  # the group goes away
-        infos = new_infos[sharding_type]
-        for i, info in enumerate(infos):
-            if info.embedding_config.name in changed_tables:
-                infos[i] = _with_batch_key(info, _generation_key(info, generation))
-        if _most_kernels_per_user_key(infos) > MAX_KERNELS_PER_GROUP:
-            for i, info in enumerate(infos):
-                infos[i] = _with_batch_key(info, _generation_key(info, generation))
+
+    user: Any
+    runs: Tuple[RunId, ...]
 
 
-ShardKey = Tuple[str, Tuple[int, ...]]
+def user_batch_key(fused_params: Optional[Mapping[str, Any]]) -> Any:
+    """The user's own batch key in a table's fused params (None for none)."""
+    key = (fused_params or {}).get(BATCH_KEY)
+    return key.user if isinstance(key, KeptBatchKey) else key
+
+
+def with_batch_key(
+    fused_params: Optional[Mapping[str, Any]], key: Any
+) -> Dict[str, Any]:
+    """A table's fused params with ``key`` as its batch key (None: no key)."""
+    out = dict(fused_params or {})
+    out.pop(BATCH_KEY, None)
+    if key is not None:
+        out[BATCH_KEY] = key
+    return out
 
 
 def shard_key(table: Any) -> ShardKey:
@@ -198,6 +136,181 @@ def shard_key(table: Any) -> ShardKey:
     metadata = table.local_metadata
     offsets = tuple(metadata.shard_offsets) if metadata is not None else ()
     return table.name, offsets
+
+
+@dataclass
+class KeptRun:
+    """
+    Shards of tables that a transaction leaves exactly where they are, at
+    consecutive positions of one old batched kernel of this rank: the new
+    kernel for them can be built on a view of the old kernel's storage.
+
+    Args:
+        path (str): the sharded module's path.
+        kernel (nn.Module): the old fbgemm kernel.
+        first (int): the position of the first shard in it.
+        shards (List[ShardKey]): the shards, in kernel order.
+    """
+
+    path: str
+    kernel: nn.Module
+    first: int
+    shards: List[ShardKey]
+
+
+def kept_runs(
+    groups: Mapping[Tuple[str, str], Sequence[nn.Module]],
+    kept: Mapping[str, AbstractSet[str]],
+) -> List[KeptRun]:
+    """
+    This rank's runs of kept shards: maximal runs of consecutive shards of
+    kept tables in each old batched kernel, the ``MAX_KERNELS_PER_GROUP - 1``
+    largest per sharding group (the rest of a rebuilt group takes one more
+    kernel).
+
+    Args:
+        groups (Mapping[Tuple[str, str], Sequence[nn.Module]]): (module path,
+            sharding type) -> the group's old TorchRec batched kernels.
+        kept (Mapping[str, AbstractSet[str]]): module path -> the tables whose
+            shards stay exactly where they are.
+
+    Returns:
+        List[KeptRun]: the runs, by group, largest first.
+    """
+    out: List[KeptRun] = []
+    for (path, _), kernels in groups.items():
+        tables_kept = kept.get(path, set())
+        group_runs: List[Tuple[int, KeptRun]] = []
+        for batched in kernels:
+            tables = list(batched.config.embedding_tables)
+            position = 0
+            while position < len(tables):
+                if tables[position].name not in tables_kept:
+                    position += 1
+                    continue
+                first = position
+                while position < len(tables) and tables[position].name in tables_kept:
+                    position += 1
+                run = tables[first:position]
+                size = sum(t.local_rows * t.local_cols for t in run)
+                shards = [shard_key(t) for t in run]
+                group_runs.append(
+                    (size, KeptRun(path, batched.emb_module, first, shards))
+                )
+        group_runs.sort(key=lambda x: -x[0])
+        out += [run for _, run in group_runs[: MAX_KERNELS_PER_GROUP - 1]]
+    return out
+
+
+def run_facts(runs: Sequence[KeptRun]) -> Dict[str, List[List[str]]]:
+    """
+    What the others need of this rank's runs: per module, the tables of each
+    run (a run's position in its module's list numbers it).
+    """
+    out: Dict[str, List[List[str]]] = {}
+    for run in runs:
+        out.setdefault(run.path, []).append([name for name, _ in run.shards])
+    return out
+
+
+# (sharding type, the ranks holding shards) of a table under the new plan
+TablePlacement = Tuple[str, Tuple[int, ...]]
+
+
+def batch_keys(
+    all_runs: Sequence[Tuple[int, Mapping[str, List[List[str]]]]],
+    placements: Mapping[str, Mapping[str, TablePlacement]],
+    user_keys: Mapping[str, Mapping[str, Any]],
+) -> Dict[str, Dict[str, KeptBatchKey]]:
+    """
+    The batch key of every table in a run of kept shards, the same on every
+    rank (pure: the coordinator computes it from every rank's run facts): the
+    runs it is in, so the shards of one run get a kernel of their own on its
+    rank and the tables of each rank group alike everywhere. A module's
+    sharding type that would get more than ``MAX_KERNELS_PER_GROUP`` kernels
+    on a rank gets no keys (one kernel, kept shards copied).
+
+    Args:
+        all_runs (Sequence[Tuple[int, Mapping[str, List[List[str]]]]]): (rank,
+            its :func:`run_facts`) for every rank that has runs.
+        placements (Mapping[str, Mapping[str, TablePlacement]]): module path ->
+            table -> its sharding type and ranks under the new plan.
+        user_keys (Mapping[str, Mapping[str, Any]]): module path -> table ->
+            the user's own batch key (None for none).
+
+    Returns:
+        Dict[str, Dict[str, KeptBatchKey]]: module path -> table -> its key.
+    """
+    runs: Dict[str, Dict[str, List[RunId]]] = {}
+    for rank, rank_runs in all_runs:
+        for path, path_runs in sorted(rank_runs.items()):
+            for index, tables in enumerate(path_runs):
+                for table in tables:
+                    ids = runs.setdefault(path, {}).setdefault(table, [])
+                    if (rank, index) not in ids:
+                        ids.append((rank, index))
+    keys: Dict[str, Dict[str, KeptBatchKey]] = {}
+    for path, tables in sorted(runs.items()):
+        path_keys = {
+            table: KeptBatchKey(user_keys.get(path, {}).get(table), tuple(sorted(ids)))
+            for table, ids in tables.items()
+        }
+        kernels: Dict[Tuple[str, int], Set[Any]] = {}
+        for table, (sharding_type, ranks) in placements[path].items():
+            key = path_keys.get(table, user_keys.get(path, {}).get(table))
+            for rank in ranks:
+                kernels.setdefault((sharding_type, rank), set()).add(key)
+        crowded = {
+            sharding_type
+            for (sharding_type, _), ks in kernels.items()
+            if len(ks) > MAX_KERNELS_PER_GROUP
+        }
+        keys[path] = {
+            table: key
+            for table, key in path_keys.items()
+            if placements[path][table][0] not in crowded
+        }
+    return keys
+
+
+def key_rebuilt_groups(
+    infos: Dict[str, List[EmbeddingShardingInfo]],
+    rebuilt_types: Sequence[str],
+    hooks: "KeptStorage",
+) -> None:
+    """
+    Gives every table of a rebuilt group the batch key the transaction agreed
+    on (runs of kept shards get keys of their own; the others only the user's
+    key, whatever an earlier transaction gave them), as a module's ``__init__``
+    would under the same hooks.
+
+    Args:
+        infos (OrderedDict[str, List[EmbeddingShardingInfo]]): the module's
+            infos after the transaction; changed in place.
+        rebuilt_types (Sequence[str]): sharding types whose group is rebuilt.
+        hooks (KeptStorage): the transaction's kernel build hooks.
+
+    Returns:
+        None
+    """
+    for sharding_type in rebuilt_types:
+        group = infos.get(sharding_type, [])
+        for i, info in enumerate(group):
+            fused_params = hooks.table_fused_params(
+                info.embedding_config.name,
+                info.param,
+                with_batch_key(info.fused_params, user_batch_key(info.fused_params)),
+            )
+            if fused_params != info.fused_params:
+                group[i] = EmbeddingShardingInfo(
+                    embedding_config=info.embedding_config,
+                    param_sharding=info.param_sharding,
+                    param=info.param,
+                    fused_params=fused_params,
+                )
+
+
+# ------------------------------------------------------------------- memory
 
 
 def _cpu_tensors(candidates: Sequence[Optional[torch.Tensor]]) -> List[torch.Tensor]:
@@ -227,8 +340,8 @@ def _other_memory(kernel: nn.Module) -> List[torch.Tensor]:
 @dataclass
 class _Storage:
     """
-    An old kernel's storage, held (one reference) until the reshard decides
-    what happens to it.
+    An old kernel's storage, held (one reference) until the transaction
+    decides what happens to it.
 
     Args:
         storage (torch.UntypedStorage): the storage.
@@ -245,31 +358,67 @@ class _Storage:
 
 class KeptStorage(KernelBuildHooks):
     """
-    The kernel build hooks of a reshard: kernels skip initialisation and take
-    uninitialised host buffers (every byte is overwritten), and kernels made of
-    kept tables that lie back to back in one old kernel take views of its
-    storage (when ``reuse``). Afterwards, :meth:`release` decides what happens
-    to the old kernels' storage.
+    The kernel build hooks of a transaction: kernels skip initialisation and
+    take uninitialised host buffers (every byte is overwritten), tables in
+    runs of kept shards get their agreed batch key, and the kernel of each run
+    is built on a view of the old kernel's storage. Afterwards,
+    :meth:`release` decides what happens to the old kernels' storage.
 
     Args:
-        old_batched (Sequence[nn.Module]): the batched kernels of the rebuilt
-            groups (TorchRec ``BaseBatchedEmbedding[Bag]`` modules).
-        kept_tables (Set[str]): tables the reshard does not change.
-        reuse (bool): whether kept tables may keep their storage.
+        old_batched (Sequence[nn.Module]): the TorchRec batched kernels whose
+            storage the transaction retires.
+        runs (Sequence[KeptRun]): this rank's runs of kept shards.
+        keys (Mapping[str, Mapping[str, KeptBatchKey]]): module path -> table
+            -> its agreed batch key.
+        params (Mapping[str, Mapping[str, torch.Tensor]]): module path ->
+            table -> the parameter the sharded module is built from (table
+            names repeat across modules; the hook gets the parameter).
+        sharded_tensors_from_plan (bool): modules built meanwhile make their
+            ShardedTensors from their (agreed) plan.
+        reuse (bool): kept shards may keep their storage: :meth:`release`
+            gives the pages nobody uses back (otherwise old storage is simply
+            dropped).
     """
 
     def __init__(
-        self, old_batched: Sequence[nn.Module], kept_tables: Set[str], reuse: bool
+        self,
+        old_batched: Sequence[nn.Module] = (),
+        runs: Sequence[KeptRun] = (),
+        keys: Optional[Mapping[str, Mapping[str, KeptBatchKey]]] = None,
+        params: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
+        sharded_tensors_from_plan: bool = False,
+        reuse: bool = False,
     ) -> None:
+        keys = keys or {}
+        params = params or {}
+        self._from_plan = sharded_tensors_from_plan
         self._reuse = reuse
-        # kept shard -> (old fbgemm kernel, its position in that kernel)
-        self._kept: Dict[ShardKey, Tuple[nn.Module, int]] = {}
+        self._keys: List[Tuple[torch.Tensor, KeptBatchKey]] = [
+            (params[path][table], key)
+            for path, table_keys in keys.items()
+            for table, key in table_keys.items()
+            if table in params.get(path, {})
+        ]
+        # the runs of a batch key -> (old kernel, first position, shards) of
+        # each kept run, a run split where its tables' keys differ
+        self._runs: Dict[
+            Tuple[RunId, ...], List[Tuple[nn.Module, int, List[ShardKey]]]
+        ] = {}
+        for run in runs:
+            table_keys = keys.get(run.path, {})
+            start = 0
+            for i in range(1, len(run.shards) + 1):
+                key = table_keys.get(run.shards[start][0])
+                if i < len(run.shards) and table_keys.get(run.shards[i][0]) == key:
+                    continue
+                if key is not None:
+                    self._runs.setdefault(key.runs, []).append(
+                        (run.kernel, run.first + start, run.shards[start:i])
+                    )
+                start = i
         self._storages: Dict[int, _Storage] = {}
         for batched in old_batched:
             kernel = batched.emb_module
-            for position, table in enumerate(batched.config.embedding_tables):
-                if table.name in kept_tables:
-                    self._kept[shard_key(table)] = (kernel, position)
             for tensor in _table_state(kernel):
                 storage = tensor.untyped_storage()
                 self._storages.setdefault(storage.data_ptr(), _Storage(storage))
@@ -283,6 +432,18 @@ class KeptStorage(KernelBuildHooks):
 
     def init_parameters(self, config: GroupedEmbeddingConfig) -> bool:
         return False
+
+    def table_fused_params(
+        self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
+    ) -> Dict[str, Any]:
+        key = next((k for p, k in self._keys if p is param), None)
+        if key is None:
+            return fused_params
+        user = user_batch_key(fused_params)
+        return with_batch_key(fused_params, KeptBatchKey(user, key.runs))
+
+    def sharded_tensors_from_plan(self) -> bool:
+        return self._from_plan
 
     def host_buffers(
         self, config: GroupedEmbeddingConfig, tbe_kwargs: Dict[str, Any]
@@ -319,23 +480,21 @@ class KeptStorage(KernelBuildHooks):
         self, config: GroupedEmbeddingConfig, kernel_type: type
     ) -> Optional[Tuple[nn.Module, int, int]]:
         """
-        (old kernel, first position, count) when every table of ``config`` is a
-        kept shard of one old kernel of ``kernel_type``, at consecutive
-        positions in order; else None.
+        (old kernel, first position, count) when the tables of ``config`` are
+        one kept run of an old kernel of ``kernel_type``; else None.
         """
-        if not self._reuse:
+        tables = list(config.embedding_tables)
+        keys = {(t.fused_params or {}).get(BATCH_KEY) for t in tables}
+        if len(keys) != 1:
             return None
-        keys = [shard_key(t) for t in config.embedding_tables]
-        if not keys or any(k not in self._kept for k in keys):
+        key = keys.pop()
+        if not isinstance(key, KeptBatchKey):
             return None
-        kernel, first = self._kept[keys[0]]
-        if type(kernel) is not kernel_type:
-            return None
-        for i, key in enumerate(keys):
-            other, position = self._kept[key]
-            if other is not kernel or position != first + i:
-                return None
-        return kernel, first, len(keys)
+        shards = [shard_key(t) for t in tables]
+        for kernel, first, run in self._runs.get(key.runs, []):
+            if run == shards and type(kernel) is kernel_type:
+                return kernel, first, len(shards)
+        return None
 
     def _kept_view(
         self, kernel: nn.Module, state: str, first: int, count: int
@@ -388,7 +547,7 @@ class KeptStorage(KernelBuildHooks):
             int: resident bytes of tables' state given back to the OS (the
             gradients and buffers of the old kernels go too, uncounted).
         """
-        self._kept = {}  # the old kernels must not count as holders
+        self._runs = {}  # the old kernels must not count as holders
         if not self._reuse:
             self._storages = {}  # copied: the old storage is simply dropped
             return 0

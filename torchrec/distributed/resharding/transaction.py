@@ -8,54 +8,42 @@
 # pyre-strict
 
 """
-The transaction driver of live resharding. A reshard request (one module, or
-every sharded module of a model) is one transaction, in two halves:
+A reshard within a process group: one module, or every sharded module of a
+model, moved to new shardings as one transaction of the runner (``runner``).
 
-**prepare** (:func:`prepare_reshard`) — nothing moves:
+* **agree**: every module's delta is validated (pure, see ``plan``) and its
+  new sharding groups derived (groups the delta does not touch keep their
+  objects); every rank states the fields, learning rates and step count of the
+  tables it holds and its runs of kept shards; the coordinator merges them
+  (as large as the tables) and gives the runs their batch keys;
+* **build**: the groups that change are built, detached from the module,
+  under the transaction's kernel build hooks (``storage``: no initialisation;
+  runs of kept shards keep their storage);
+* **exchange**: this rank's part of the plan (``plan.plan_rank_transfers``):
+  local pieces are copied, the others travel straight into the new kernels'
+  weights and fused optimizer state;
+* **commit**: each module installs its new groups with its own method; the old
+  kernels are retired and their storage released where nobody else can see it.
 
-1. **validate** every module's delta (pure, see ``plan``) and derive its new
-   sharding groups; groups the delta does not touch keep their objects;
-2. **build** the groups that change, detached from the module, under the
-   reshard's kernel build hooks (``storage``: no initialisation; on CPU the
-   tables that stay put keep their storage);
-3. **agree** with every other rank, once for the whole request, bounded by the
-   exchange timeout: the same request everywhere, no rank failed, and the
-   facts (state fields, learning rates) every rank needs;
-4. **plan** the transfers between the old and the new rectangles.
-
-**execute** (:meth:`PreparedReshard.execute`):
-
-5. **exchange** on a process group made for this transaction: pieces that stay
-   on a rank are copied locally, the others travel by ``all_to_all_single``
-   straight into the new kernels' weights and fused optimizer state;
-6. **swap**, once every rank of every module filled its new groups: each
-   module installs its new groups with its own method; the old kernels are
-   retired and their storage released where nobody else can see it.
-
-Until step 6 no module is touched: a bad request raises :class:`ReshardError`
-and a failure (a rank missing or dying, a timeout) :class:`ReshardAbortedError`
-on every rank, and every module is left exactly as it was.
+Until the commit no module is touched: a bad request raises
+:class:`ReshardError` and a failure :class:`ReshardAbortedError` on every rank,
+and every module is left exactly as it was.
 """
 
-import hashlib
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.resharding.exchange import (
-    agree,
-    Agreement,
-    close_exchange_group,
-    exchange_pieces,
+from torchrec.distributed.resharding.fields import (
     Field,
-    open_exchange_group,
+    merge_table_facts,
+    piece_cost,
+    TableFacts,
 )
 from torchrec.distributed.resharding.groups import (
     build_groups,
@@ -70,66 +58,46 @@ from torchrec.distributed.resharding.groups import (
 )
 from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
 from torchrec.distributed.resharding.kernel_state import (
-    kept_in_place,
-    LocalSlot,
-    read_piece,
-    RowwiseMerges,
-    slot_bytes,
-    SlotKey,
-    target_piece,
-    write_piece,
-    zero_undelivered_state,
+    batched_kernels,
+    keyed_slots,
+    slot_io,
 )
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
-    fields_by_table,
     local_table_facts,
-    merge_table_facts,
-    TableFacts,
 )
+from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.plan import (
+    bytes_per_rank,
     delta_digest,
     layout_from_parameter_sharding,
     MOVABLE_COMPUTE_KERNELS,
-    plan_transfers,
-    ReshardAbortedError,
+    plan_rank_transfers,
+    RankPlan,
     ReshardError,
-    ReshardPlan,
     TableLayout,
+    text_digest,
+)
+from torchrec.distributed.resharding.runner import (
+    ExchangePart,
+    Participant,
+    PhaseTimes,
+    run_transaction,
 )
 from torchrec.distributed.resharding.storage import (
+    batch_keys,
+    kept_runs,
+    KeptBatchKey,
+    KeptRun,
     KeptStorage,
-    next_generation,
-    split_kept_tables,
+    key_rebuilt_groups,
+    run_facts,
     storage_reuse_supported,
-    StorageMode,
+    user_batch_key,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ReshardOptions:
-    """
-    How a reshard runs; the same for a module (``reshard_module``,
-    ``update_shards``) and a model (``DistributedModelParallel.reshard``).
-
-    Args:
-        max_inflight_bytes (Optional[int]): cap on a rank's exchange buffers;
-            the exchange runs in as many rounds as the cap needs.
-        exchange_timeout (Optional[timedelta]): how long a rank waits for the
-            others, in the agreement and in the exchange (default: the
-            backend's default process-group timeout).
-        progress (bool): a progress bar over the exchange rounds on rank 0.
-        storage (StorageMode): whether the tables that stay put keep their
-            storage (``REUSE``, the default) or are copied (``COPY``).
-    """
-
-    max_inflight_bytes: Optional[int] = None
-    exchange_timeout: Optional[timedelta] = None
-    progress: bool = False
-    storage: StorageMode = StorageMode.REUSE
 
 
 @dataclass
@@ -150,6 +118,7 @@ class ReshardReport:
         bytes_kept_in_place (int): bytes of those tables on this rank.
         bytes_released (int): bytes of departed tables given back to the OS.
         seconds (float): wall time of the reshard on this rank.
+        phases (PhaseTimes): wall time of each phase of the transaction.
     """
 
     rank: int
@@ -162,6 +131,38 @@ class ReshardReport:
     bytes_kept_in_place: int = 0
     bytes_released: int = 0
     seconds: float = 0.0
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+
+@dataclass
+class DryRunReport:
+    """
+    What a reshard would move, computed without building or moving anything.
+
+    Args:
+        deltas (Dict[str, Dict[str, ParameterSharding]]): per module path, the
+            changed tables with their new sharding.
+        bytes_sent (Dict[int, int]): per rank, bytes it would send.
+        bytes_received (Dict[int, int]): per rank, bytes it would receive.
+        tables_moved (Dict[str, List[str]]): per module path, the tables whose
+            layout changes.
+        phases (PhaseTimes): the time the dry run took (its agreement).
+    """
+
+    deltas: Dict[str, Dict[str, ParameterSharding]]
+    bytes_sent: Dict[int, int]
+    bytes_received: Dict[int, int]
+    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+    @property
+    def tables(self) -> Dict[str, List[str]]:
+        return {path: sorted(delta) for path, delta in self.deltas.items()}
+
+
+def table_key(path: str, table: str) -> str:
+    """The name of a module's table within a transaction: "path:table"."""
+    return f"{path}:{table}"
 
 
 @dataclass
@@ -177,14 +178,22 @@ class _ModuleReshard:
     old_layouts: Dict[str, TableLayout]
     new_layouts: Dict[str, TableLayout]
     report: ReshardReport
+    runs: List[KeptRun] = field(default_factory=list)
     hooks: Optional[KeptStorage] = None
     groups: Optional[NewGroups] = None
-    facts: TableFacts = field(default_factory=TableFacts)
-    fields: Mapping[str, List[Field]] = field(default_factory=dict)
-    transfers: Optional[ReshardPlan] = None
+
+    def key(self, table: str) -> str:
+        return table_key(self.path, table)
 
     def moved_tables(self) -> List[str]:
         return [t for t in self.tables if self.old_layouts[t] != self.new_layouts[t]]
+
+    def old_lookups(self) -> List[nn.Module]:
+        return [
+            lookup
+            for sharding_type, _, lookup in self.adapter.groups()
+            if sharding_type in self.rebuilt_types
+        ]
 
 
 def _check_rebuilt_kernels(
@@ -206,8 +215,6 @@ def _prepare_module(
     delta: Mapping[str, ParameterSharding],
     env: ShardingEnv,
     device: Optional[torch.device],
-    options: ReshardOptions,
-    build: bool,
 ) -> _ModuleReshard:
     pg = env.process_group
     rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
@@ -224,7 +231,7 @@ def _prepare_module(
         )
         for t in tables
     }
-    module = _ModuleReshard(
+    return _ModuleReshard(
         path,
         adapter,
         delta,
@@ -235,17 +242,6 @@ def _prepare_module(
         new_layouts,
         ReshardReport(rank),
     )
-    if build and rebuilt:
-        reuse = options.storage == StorageMode.REUSE and storage_reuse_supported(device)
-        if reuse:
-            split_kept_tables(
-                infos, rebuilt, set(delta), next_generation(adapter.sharding_infos())
-            )
-        kept = set(tables) - set(delta)
-        module.hooks = KeptStorage(old_kernels_of(adapter, rebuilt), kept, reuse)
-        module.groups = build_groups(adapter, infos, rebuilt, env, device, module.hooks)
-        check_built_layouts(module.groups, new_layouts, rank)
-    return module
 
 
 def _request_digest(requests: Sequence[Tuple[str, ShardedModuleAdapter, Any]]) -> int:
@@ -255,358 +251,331 @@ def _request_digest(requests: Sequence[Tuple[str, ShardedModuleAdapter, Any]]) -
             parts.append(f"{path}={delta_digest(delta)}")
         except Exception:  # not a delta at all: validation reports it
             parts.append(f"{path}?{type(delta).__name__}")
-    text = "\n".join(parts)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+    return text_digest("\n".join(parts))
 
 
-def _discard(modules: Sequence[_ModuleReshard]) -> None:
-    """Drops what a reshard that does not go through built."""
-    for module in modules:
-        if module.groups is not None:
-            retire_kernels(module.groups.new_kernels())
-        module.groups = None
-        module.hooks = None
+@dataclass(frozen=True)
+class _RankFacts:
+    """What a rank tells the coordinator: its tables' facts and kept runs."""
+
+    tables: TableFacts
+    runs: Dict[str, List[List[str]]]
 
 
-def prepare_reshard(
-    requests: Sequence[
-        Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
-    ],
-    env: ShardingEnv,
-    device: Optional[torch.device] = None,
-    options: Optional[ReshardOptions] = None,
-    build: bool = True,
-) -> "PreparedReshard":
+@dataclass(frozen=True)
+class _Decision:
+    """What every rank gets back: the merged facts and the runs' batch keys."""
+
+    tables: TableFacts
+    keys: Dict[str, Dict[str, KeptBatchKey]]
+
+
+class ModuleReshard(Participant):
     """
-    Validates, builds and agrees on a reshard of one or more modules of one
-    process group; nothing moves and no module changes. Every rank calls it
-    with the same requests.
+    This rank's part of a reshard of one or more modules of one process group,
+    each by its delta. Every rank of the group runs it with the same requests.
 
     Args:
         requests (Sequence[Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]]):
-            (module path, module adapter, delta) per module, in the same
-            order on every rank.
+            (module path, module adapter, delta) per module, in the same order
+            on every rank.
         env (ShardingEnv): the modules' sharding environment.
         device (Optional[torch.device]): the modules' device.
-        options (Optional[ReshardOptions]): how to run.
-        build (bool): build the new groups (False for a dry run, which then
-            cannot be executed).
-
-    Returns:
-        PreparedReshard: the agreed reshard, ready to execute.
-
-    Raises:
-        ReshardError: on every rank, for a bad request (naming the module,
-            table and reason).
-        ReshardAbortedError: on every calling rank, when a rank of the group
-            does not join within the exchange timeout.
-    """
-    options = options or ReshardOptions()
-    start = time.perf_counter()
-    modules: List[_ModuleReshard] = []
-    error: Optional[str] = None
-    where = ""
-    try:
-        for path, adapter, delta in requests:
-            where = f"module '{path}': " if path else ""
-            modules.append(
-                _prepare_module(path, adapter, delta, env, device, options, build)
-            )
-    except ReshardError as e:
-        error = f"{where}{e}"
-    except Exception as e:  # the base refusing a layout, out of memory, ...
-        error = f"{where}building the new sharding failed: {type(e).__name__}: {e}"
-    facts = (
-        [local_table_facts(m.adapter.lookups(), m.tables) for m in modules]
-        if error is None
-        else None
-    )
-    try:
-        agreement = agree(
-            env.process_group,
-            _request_digest(requests),
-            error,
-            facts,
-            options.exchange_timeout,
-        )
-    except BaseException:
-        _discard(modules)
-        raise
-    for i, module in enumerate(modules):
-        module.facts = merge_table_facts([f[i] for f in agreement.facts])
-        module.fields = fields_by_table(module.facts, module.tables)
-        module.transfers = plan_transfers(
-            module.old_layouts, module.new_layouts, module.tables
-        )
-    return PreparedReshard(env, device, options, modules, agreement, build, start)
-
-
-@dataclass
-class FilledSlots:
-    """
-    What :func:`fill_slots` did on one rank.
-
-    Args:
-        kept_in_place (List[SlotKey]): new slots whose kernel took over the old
-            storage: neither copied nor written.
-        bytes_kept_in_place (int): their bytes.
-        bytes_copied_locally (int): bytes of pieces copied on this rank.
-        bytes_sent (int): bytes sent to other ranks.
-        bytes_received (int): bytes received from other ranks.
+        options (ReshardOptions): how to run.
     """
 
-    kept_in_place: List[SlotKey]
-    bytes_kept_in_place: int = 0
-    bytes_copied_locally: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-
-
-def fill_slots(
-    transfers: ReshardPlan,
-    fields: Mapping[str, Sequence[Field]],
-    old_slots: Mapping[SlotKey, LocalSlot],
-    new_slots: Mapping[SlotKey, LocalSlot],
-    rank: int,
-    group: dist.ProcessGroup,
-    device: torch.device,
-    max_inflight_bytes: Optional[int],
-    on_round: Optional[Callable[[int, int], None]] = None,
-) -> FilledSlots:
-    """
-    Fills new slots from old ones: the pieces that stay on this rank are copied
-    locally (unless their new kernel already holds them in the old storage),
-    the others go through :func:`exchange_pieces` on ``group``; optimizer
-    state no piece delivers is zeroed. The one executor of a reshard within
-    a group and of a move between groups.
-
-    Args:
-        transfers (ReshardPlan): the transfers, ranks numbered in ``group``.
-        fields (Mapping[str, Sequence[Field]]): the fields of every table.
-        old_slots (Mapping[SlotKey, LocalSlot]): this rank's old shards.
-        new_slots (Mapping[SlotKey, LocalSlot]): this rank's new shards.
-        rank (int): this rank in ``group``.
-        group (dist.ProcessGroup): the transaction's exchange group.
-        device (torch.device): where the exchange buffers live.
-        max_inflight_bytes (Optional[int]): cap of the exchange buffers.
-        on_round (Optional[Callable[[int, int], None]]): progress per round.
-
-    Returns:
-        FilledSlots: what moved, and what was kept in place.
-    """
-    in_place = set(kept_in_place(old_slots, new_slots))
-    filled = FilledSlots(sorted(in_place))
-    filled.bytes_kept_in_place = sum(slot_bytes(new_slots[k]) for k in in_place)
-    merges = RowwiseMerges()
-    with torch.no_grad():
-        zero_undelivered_state(new_slots, fields, in_place)
-        for transfer in transfers.local_copies(rank):
-            if (transfer.table, transfer.dst_rect) in in_place:
-                continue  # the new kernel already holds it: same memory
-            src = old_slots[(transfer.table, transfer.src_rect)]
-            dst = new_slots[(transfer.table, transfer.dst_rect)]
-            for f in fields[transfer.table]:
-                piece = read_piece(src, transfer, f)
-                write_piece(dst, transfer, f, piece, merges)
-                filled.bytes_copied_locally += piece.numel() * piece.element_size()
-        filled.bytes_sent, filled.bytes_received = exchange_pieces(
-            transfers,
-            fields,
-            rank,
-            dist.get_world_size(group),
-            group,
-            read_piece=lambda t, f: read_piece(old_slots[(t.table, t.src_rect)], t, f),
-            write_piece=lambda t, f, data: write_piece(
-                new_slots[(t.table, t.dst_rect)], t, f, data, merges
-            ),
-            device=device,
-            max_inflight_bytes=max_inflight_bytes,
-            target_piece=lambda t, f: target_piece(
-                new_slots[(t.table, t.dst_rect)], t, f
-            ),
-            on_round=on_round,
-        )
-        merges.finish()
-    return filled
-
-
-def _progress_bar(enabled: bool) -> Optional[Callable[[int, int], None]]:
-    """A tqdm bar over the exchange rounds, created on the first round."""
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    bar: List[Any] = []
-
-    def on_round(done: int, total: int) -> None:
-        if not bar:
-            bar.append(tqdm(total=total, desc="resharding", unit="round"))
-        bar[0].update(1)
-        if done == total:
-            bar[0].close()
-
-    return on_round
-
-
-class PreparedReshard:
-    """
-    A reshard that every rank validated and agreed on, with its new groups
-    built and its transfers planned; :meth:`execute` moves the data and swaps
-    the groups in. Made by :func:`prepare_reshard`.
-    """
+    kind = "reshard"
 
     def __init__(
         self,
+        requests: Sequence[
+            Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
+        ],
         env: ShardingEnv,
         device: Optional[torch.device],
         options: ReshardOptions,
-        modules: List[_ModuleReshard],
-        agreement: Agreement,
-        built: bool,
-        start: float,
     ) -> None:
+        self._requests = list(requests)
         self._env = env
         self._device = device
         self._options = options
-        self._modules = modules
-        self._agreement = agreement
-        self._built = built
-        self._start = start
-        self._executed = False
+        self._modules: List[_ModuleReshard] = []
+        self._decision: Optional[_Decision] = None
+        self._fields: Dict[str, Tuple[Field, ...]] = {}
+        self._old: Dict[str, TableLayout] = {}
+        self._new: Dict[str, TableLayout] = {}
+        self._plan: Optional[RankPlan] = None
+        self._kept_in_place: Set[Tuple[str, Any]] = set()
 
-    @property
-    def deltas(self) -> Dict[str, Mapping[str, ParameterSharding]]:
-        """Per module path, the changed tables with their new sharding."""
-        return {m.path: m.delta for m in self._modules}
+    # ------------------------------------------------------------- the agree
 
-    @property
-    def tables_moved(self) -> Dict[str, List[str]]:
-        """Per module path, the tables whose layout changes."""
-        return {m.path: m.moved_tables() for m in self._modules}
+    def ranks(self) -> List[int]:
+        return dist.get_process_group_ranks(self._env.process_group)
 
-    def bytes_per_rank(self) -> Tuple[Dict[int, int], Dict[int, int]]:
-        """
-        Returns:
-            Tuple[Dict[int, int], Dict[int, int]]: per group-local rank, the
-            bytes it sends and receives (weights and fused optimizer state).
-        """
-        world_size = dist.get_world_size(self._env.process_group)
-        sent = {r: 0 for r in range(world_size)}
-        received = {r: 0 for r in range(world_size)}
-        for module in self._modules:
-            assert module.transfers is not None
-            for transfer in module.transfers.transfers:
-                if transfer.is_local:
-                    continue
-                nbytes = sum(f.nbytes(transfer) for f in module.fields[transfer.table])
-                sent[transfer.src_rank] += nbytes
-                received[transfer.dst_rank] += nbytes
-        return sent, received
+    def digest(self) -> int:
+        return _request_digest(self._requests)
 
-    def execute(self) -> Dict[str, ReshardReport]:
-        """
-        Moves the data and swaps the new groups into every module.
+    def _rank(self) -> int:
+        return dist.get_rank(self._env.process_group)
 
-        Returns:
-            Dict[str, ReshardReport]: what this rank did, per module path.
+    def requests(
+        self,
+    ) -> List[Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]]:
+        """The modules and their deltas (validated by :meth:`prepare`)."""
+        return self._requests
 
-        Raises:
-            ReshardAbortedError: on every surviving rank when the exchange
-                fails; every module keeps its old sharding and state.
-        """
-        if not self._built or self._executed:
-            raise RuntimeError("a dry run, or an executed reshard, cannot execute")
-        self._executed = True
-        pg = self._env.process_group
-        rank = dist.get_rank(pg)
-        modules = [m for m in self._modules if m.groups is not None]
-        if modules:
-            self._exchange(modules, rank)
-            for module in modules:
-                self._swap(module)
-        seconds = time.perf_counter() - self._start
-        for module in self._modules:
-            module.report.tables_moved = module.moved_tables()
-            module.report.tables_rebuilt = list(module.tables)
-            module.report.seconds = seconds
-            _log(module)
+    def prepare(self) -> _RankFacts:
+        where = ""
+        for path, adapter, delta in self.requests():
+            where = f"module '{path}': " if path else ""
+            try:
+                self._modules.append(
+                    _prepare_module(path, adapter, delta, self._env, self._device)
+                )
+            except ReshardError as e:
+                raise ReshardError(f"{where}{e}") from None
+            except Exception as e:  # the base refusing a layout, ...
+                raise ReshardError(
+                    f"{where}building the new sharding failed: {type(e).__name__}: {e}"
+                ) from None
+        facts = [
+            local_table_facts(m.adapter.lookups(), m.tables).renamed(
+                {t: m.key(t) for t in m.tables}
+            )
+            for m in self._modules
+        ]
+        runs: Dict[str, List[List[str]]] = {}
+        if self._keeps_storage():
+            for m in self._modules:
+                m.runs = _module_runs(m)
+            runs = run_facts([r for m in self._modules for r in m.runs])
+        return _RankFacts(merge_table_facts(facts), runs)
+
+    def _keeps_storage(self) -> bool:
+        return self._options.storage == StorageMode.REUSE and storage_reuse_supported(
+            self._device
+        )
+
+    def merge(self, facts: Sequence[_RankFacts]) -> _Decision:
+        placements = {m.path: _placements(m, len(facts)) for m in self._modules}
+        user_keys = {
+            m.path: {
+                info.embedding_config.name: user_batch_key(info.fused_params)
+                for infos in m.infos.values()
+                for info in infos
+            }
+            for m in self._modules
+        }
+        keys = batch_keys(
+            [(rank, f.runs) for rank, f in enumerate(facts) if f.runs],
+            placements,
+            user_keys,
+        )
+        return _Decision(merge_table_facts([f.tables for f in facts]), keys)
+
+    def agreed(self, merged: _Decision) -> None:
+        self._decision = merged
+        for m in self._modules:
+            for t in m.tables:
+                key = m.key(t)
+                self._fields[key] = merged.tables.fields_of(key)
+                self._old[key] = m.old_layouts[t]
+                self._new[key] = m.new_layouts[t]
+
+    def dry_run(self) -> DryRunReport:
+        costs = {key: piece_cost(f) for key, f in self._fields.items()}
+        sent, received = bytes_per_rank(self._old, self._new, costs)
+        world_size = len(self.ranks())
+        return DryRunReport(
+            {m.path: dict(m.delta) for m in self._modules},
+            {r: sent.get(r, 0) for r in range(world_size)},
+            {r: received.get(r, 0) for r in range(world_size)},
+            {m.path: m.moved_tables() for m in self._modules if m.moved_tables()},
+        )
+
+    # ------------------------------------------------------------- the build
+
+    def build(self) -> None:
+        assert self._decision is not None
+        for m in self._modules:
+            if not m.rebuilt_types:
+                continue
+            adapter = m.adapter
+            m.hooks = KeptStorage(
+                old_kernels_of(adapter, m.rebuilt_types),
+                m.runs,
+                {m.path: self._decision.keys.get(m.path, {})},
+                {m.path: {c.name: i.param for c, i in _configs_and_infos(m)}},
+                reuse=self._keeps_storage(),
+            )
+            m.runs = []  # the hooks hold the old kernels until they release
+            key_rebuilt_groups(m.infos, m.rebuilt_types, m.hooks)
+            m.groups = build_groups(
+                adapter, m.infos, m.rebuilt_types, self._env, self._device, m.hooks
+            )
+            check_built_layouts(m.groups, m.new_layouts, self._rank())
+
+    # ---------------------------------------------------------- the exchange
+
+    def _built(self) -> List[_ModuleReshard]:
+        return [m for m in self._modules if m.groups is not None]
+
+    def before_exchange(self, group: dist.ProcessGroup) -> None:
+        assert self._decision is not None
+        for m in self._built():
+            assert m.groups is not None
+            wrap_new_lookups(m.adapter, m.groups)
+            apply_table_facts(
+                m.groups.new_lookups,
+                _module_facts(self._decision.tables, m),
+            )
+
+    def exchange_part(self) -> ExchangePart:
+        old_slots, new_slots = {}, {}
+        for m in self._built():
+            assert m.groups is not None
+            key = m.key
+            old_slots.update(keyed_slots(m.adapter.local_slots(m.old_lookups()), key))
+            new_slots.update(
+                keyed_slots(m.adapter.local_slots(m.groups.new_lookups), key)
+            )
+        built = {m.key(t) for m in self._built() for t in m.tables}
+        old = {k: v for k, v in self._old.items() if k in built}
+        new = {k: v for k, v in self._new.items() if k in built}
+        self._plan = plan_rank_transfers(old, new, self._rank())
+        fields = {k: self._fields[k] for k in old}
+        io = slot_io(old_slots, new_slots, fields)
+        self._kept_in_place = set(io.in_place)
+        return ExchangePart(self._plan, fields, io)
+
+    # ------------------------------------------------------ commit and abort
+
+    def commit(self) -> None:
+        for m in self._built():
+            _swap(m)
+
+    def abort(self) -> None:
+        for m in self._modules:
+            m.runs = []
+            if m.groups is not None:
+                retire_kernels(m.groups.new_kernels())
+            m.groups = None
+            m.hooks = None
+
+    def device(self) -> torch.device:
+        return self._device or torch.device("cpu")
+
+    def unchanged(self) -> str:
+        return "every module is unchanged and keeps its old sharding"
+
+    # ------------------------------------------------------------- reporting
+
+    def reports(self, phases: PhaseTimes) -> Dict[str, ReshardReport]:
+        """Per module path, what this rank did."""
+        per_table = _bytes_by_table(self._plan, self._fields)
+        for m in self._modules:
+            report = m.report
+            report.tables_moved = m.moved_tables()
+            report.tables_rebuilt = list(m.tables)
+            keys = {m.key(t): t for t in m.tables}
+            for key, (sent, received, copied) in per_table.items():
+                if key in keys:
+                    report.bytes_sent += sent
+                    report.bytes_received += received
+                    report.bytes_copied_locally += copied
+            for key, rect in sorted(self._kept_in_place, key=str):
+                if key in keys:
+                    nbytes = piece_cost(self._fields[key]).of(rect)
+                    report.tables_kept_in_place.append(keys[key])
+                    report.bytes_kept_in_place += nbytes
+                    report.bytes_copied_locally -= nbytes  # counted as a local piece
+            report.phases = phases
+            report.seconds = phases.total
+            _log(m)
         return {m.path: m.report for m in self._modules}
 
-    def _exchange(self, modules: Sequence[_ModuleReshard], rank: int) -> None:
-        pg = self._env.process_group
-        timeout = self._options.exchange_timeout
-        group = open_exchange_group(pg, self._agreement.transaction, timeout)
-        try:
-            for module in modules:
-                assert module.groups is not None
-                wrap_new_lookups(module.adapter, module.groups)
-                apply_table_facts(module.groups.new_lookups, module.facts)
-                self._fill(module, rank, group)
-            # Nobody swaps before everybody filled its new groups.
-            dist.barrier(group=group)
-        except Exception as e:
-            close_exchange_group(group)
-            _discard(modules)
-            raise ReshardAbortedError(
-                f"rank {rank}: the shard exchange failed ({type(e).__name__}: {e}); "
-                "every module is unchanged and keeps its old sharding"
-            ) from e
-        close_exchange_group(group)
 
-    def _fill(
-        self, module: _ModuleReshard, rank: int, group: dist.ProcessGroup
-    ) -> None:
-        """Copies the local pieces and receives the remote ones into the new groups."""
-        assert module.groups is not None and module.transfers is not None
-        adapter, report, fields = module.adapter, module.report, module.fields
-        old_lookups = [
-            lookup for t, _, lookup in adapter.groups() if t in module.rebuilt_types
-        ]
-        old_slots = adapter.local_slots(old_lookups)
-        new_slots = adapter.local_slots(module.groups.new_lookups)
-        moved = fill_slots(
-            module.transfers,
-            fields,
-            old_slots,
-            new_slots,
-            rank,
-            group,
-            self._device or torch.device("cpu"),
-            self._options.max_inflight_bytes,
-            on_round=_progress_bar(self._options.progress and rank == 0),
-        )
-        report.tables_kept_in_place += [key[0] for key in moved.kept_in_place]
-        report.bytes_kept_in_place += moved.bytes_kept_in_place
-        report.bytes_copied_locally += moved.bytes_copied_locally
-        report.bytes_sent, report.bytes_received = (
-            moved.bytes_sent,
-            moved.bytes_received,
-        )
+def _configs_and_infos(
+    m: _ModuleReshard,
+) -> List[Tuple[Any, EmbeddingShardingInfo]]:
+    return [
+        (info.embedding_config, info) for infos in m.infos.values() for info in infos
+    ]
 
-    def _swap(self, module: _ModuleReshard) -> None:
-        """Installs a module's new groups, retires the old ones, frees memory."""
-        groups, hooks = module.groups, module.hooks
-        assert groups is not None and hooks is not None
-        adapter = module.adapter
-        old_lookups = [
-            lookup for t, _, lookup in adapter.groups() if t in module.rebuilt_types
-        ]
-        old_kernels = adapter.kernels(old_lookups)
-        adapter.install(groups.infos, groups.shardings, groups.lookups)
-        retire_kernels(old_kernels)
-        # Nothing of the reshard may hold the old groups when the storage is
-        # released: whatever else still references it is somebody else's.
-        del old_lookups, old_kernels, groups
-        module.groups = None
-        module.hooks = None
-        module.report.bytes_released = hooks.release(adapter.module)
+
+def _module_runs(m: _ModuleReshard) -> List[KeptRun]:
+    """This rank's runs of kept shards in the module's rebuilt groups."""
+    if not m.rebuilt_types:
+        return []
+    kept = {t for t in m.tables if t not in m.delta}
+    groups = {
+        (m.path, sharding_type): list(batched_kernels(lookup))
+        for sharding_type, _, lookup in m.adapter.groups()
+        if sharding_type in m.rebuilt_types
+    }
+    return kept_runs(groups, {m.path: kept})
+
+
+def _placements(
+    m: _ModuleReshard, world_size: int
+) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+    """Each table's sharding type and ranks under the module's new plan."""
+    out = {}
+    for infos in m.infos.values():
+        for info in infos:
+            ps = info.param_sharding
+            ranks = tuple(ps.ranks) if ps.ranks else tuple(range(world_size))
+            out[info.embedding_config.name] = (ps.sharding_type, ranks)
+    return out
+
+
+def _module_facts(facts: TableFacts, m: _ModuleReshard) -> TableFacts:
+    """The merged facts of one module's tables, by plain table name."""
+    names = {m.key(t): t for t in m.tables}
+    return TableFacts(
+        {names[k]: f for k, f in facts.fields.items() if k in names},
+        {names[k]: lr for k, lr in facts.learning_rates.items() if k in names},
+        facts.optimizer_iter,
+    )
+
+
+def _bytes_by_table(
+    plan: Optional[RankPlan], fields: Mapping[str, Sequence[Field]]
+) -> Dict[str, Tuple[int, int, int]]:
+    """Per table, the bytes this rank sent, received and copied locally."""
+    out: Dict[str, List[int]] = {}
+    if plan is None:
+        return {}
+    for column, transfers in enumerate((plan.sends, plan.receives, plan.local_copies)):
+        for t in transfers:
+            counts = out.setdefault(t.table, [0, 0, 0])
+            counts[column] += piece_cost(fields[t.table]).of(t.rect)
+    return {k: (v[0], v[1], v[2]) for k, v in out.items()}
+
+
+def _swap(module: _ModuleReshard) -> None:
+    """Installs a module's new groups, retires the old ones, frees memory."""
+    groups, hooks = module.groups, module.hooks
+    assert groups is not None and hooks is not None
+    adapter = module.adapter
+    old_lookups = module.old_lookups()
+    old_kernels = adapter.kernels(old_lookups)
+    adapter.install(groups.infos, groups.shardings, groups.lookups)
+    retire_kernels(old_kernels)
+    # Nothing of the reshard may hold the old groups when the storage is
+    # released: whatever else still references it is somebody else's.
+    del old_lookups, old_kernels, groups
+    module.groups = None
+    module.hooks = None
+    module.report.bytes_released = hooks.release(adapter.module)
 
 
 def _log(module: _ModuleReshard) -> None:
     report = module.report
     logger.info(
         "reshard rank %d%s: moved %s, rebuilt %d tables, sent %d B, received %d B, "
-        "copied locally %d B, kept in place %d B, released %d B in %.3f s",
+        "copied locally %d B, kept in place %d B, released %d B in %.3f s "
+        "(agree %.3f, build %.3f, exchange %.3f, commit %.3f)",
         report.rank,
         f" module '{module.path}'" if module.path else "",
         report.tables_moved,
@@ -617,7 +586,70 @@ def _log(module: _ModuleReshard) -> None:
         report.bytes_kept_in_place,
         report.bytes_released,
         report.seconds,
+        report.phases.agree,
+        report.phases.build,
+        report.phases.exchange,
+        report.phases.commit,
     )
+
+
+def reshard_modules(
+    requests: Sequence[
+        Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
+    ],
+    env: ShardingEnv,
+    device: Optional[torch.device] = None,
+    options: Optional[ReshardOptions] = None,
+) -> Tuple[Dict[str, ReshardReport], PhaseTimes]:
+    """
+    Reshards one or more sharded modules of one process group as one
+    transaction. Every rank of the group calls it with the same requests.
+
+    Args:
+        requests (Sequence[Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]]):
+            (module path, module adapter, delta) per module.
+        env (ShardingEnv): the modules' sharding environment.
+        device (Optional[torch.device]): the modules' device.
+        options (Optional[ReshardOptions]): how to run.
+
+    Returns:
+        Tuple[Dict[str, ReshardReport], PhaseTimes]: what this rank did per
+        module path, and the transaction's phase times.
+
+    Raises:
+        ReshardError: on every rank, for a bad request (naming the module,
+            table and reason); nothing moved.
+        ReshardAbortedError: on every calling rank when a rank does not join
+            or the exchange fails; every module keeps its old sharding.
+    """
+    options = options or ReshardOptions()
+    participant = ModuleReshard(requests, env, device, options)
+    outcome = run_transaction(participant, options)
+    return participant.reports(outcome.phases), outcome.phases
+
+
+def dry_run_modules(
+    requests: Sequence[
+        Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
+    ],
+    env: ShardingEnv,
+    device: Optional[torch.device] = None,
+    options: Optional[ReshardOptions] = None,
+) -> DryRunReport:
+    """
+    The agreement of :func:`reshard_modules` (every rank calls it) and exactly
+    the bytes each rank would send and receive, without building or moving
+    anything.
+
+    Returns:
+        DryRunReport: the deltas, bytes per rank and the tables that move.
+    """
+    options = options or ReshardOptions()
+    participant = ModuleReshard(requests, env, device, options)
+    outcome = run_transaction(participant, options, dry_run=True)
+    report = outcome.dry_run
+    report.phases = outcome.phases
+    return report
 
 
 def reshard_module(
@@ -650,7 +682,7 @@ def reshard_module(
     """
     adapter = adapter_for(module)
     device = device or adapter.device()
-    prepared = prepare_reshard(
+    reports, _ = reshard_modules(
         [("", adapter, changed_sharding_params)], env, device, options
     )
-    return prepared.execute()[""]
+    return reports[""]

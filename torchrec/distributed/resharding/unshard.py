@@ -14,8 +14,8 @@ A sharded model to and from plain modules on one rank.
 plain, unsharded ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules
 (for inference or export); :func:`shard_from_rank` shards a model whose
 weights only one rank holds (e.g. pretrained embeddings loaded there) onto the
-group. Both are the move of ``elastic`` between a sharded model and whole
-tables on one rank: one agreement, one exchange.
+group. Both are transactions of the runner (``runner``) between a sharded
+model and whole tables on one rank, numbered in the group's ranks.
 """
 
 from dataclasses import dataclass, field
@@ -24,47 +24,60 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.elastic import (
+from torchrec.distributed.resharding.elastic import MoveReport, release_model
+from torchrec.distributed.resharding.elastic_plan import (
+    AgreedMove,
+    check_move_agreement,
+    dense_specs,
+    DenseSpec,
+    MoveFacts,
+    plan_digest,
+    plan_layouts,
+    ranks_digest,
+    request_digest,
+    table_key,
+    tables_digest,
+    TableShape,
+    validate_new_plan,
+    whole_on,
+)
+from torchrec.distributed.resharding.exchange import ExchangeStats
+from torchrec.distributed.resharding.fields import Field, FieldKind, WEIGHT
+from torchrec.distributed.resharding.install import adapter_for
+from torchrec.distributed.resharding.kernel_state import LocalSlot, slot_io, SlotKey
+from torchrec.distributed.resharding.model_view import (
     broadcast_dense,
     build_model,
     defined_tables,
     dense_tensors,
     is_dense,
-    model_facts,
-    move_tables,
-    MoveReport,
+    meta_definition,
     plain_tables,
     plain_twin,
     plain_weight,
-    release_model,
     sharded_modules,
     sharded_slots,
+    sharded_tables,
 )
-from torchrec.distributed.resharding.elastic_plan import (
-    check_move_agreement,
-    move_fields,
-    move_transfers,
-    plan_layouts,
-    plan_text,
-    request_digest,
-    table_key,
-    TableShape,
-    validate_new_plan,
-    whole_on,
+from torchrec.distributed.resharding.optimizer_state import local_table_facts
+from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.plan import (
+    plan_rank_transfers,
+    Rect,
+    ReshardError,
+    sharding_plan_text,
+    TableLayout,
 )
-from torchrec.distributed.resharding.exchange import (
-    agree_among,
-    close_exchange_group,
-    Field,
-    FieldKind,
-    open_exchange_group_among,
+from torchrec.distributed.resharding.runner import (
+    ExchangePart,
+    Participant,
+    run_transaction,
 )
-from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.kernel_state import LocalSlot, SlotKey
-from torchrec.distributed.resharding.plan import Rect, ReshardAbortedError, ReshardError
-from torchrec.distributed.resharding.transaction import ReshardOptions
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
+
+# module path -> table -> fused optimizer state key -> the whole table's state
+OptimizerState = Dict[str, Dict[str, Dict[str, torch.Tensor]]]
 
 
 @dataclass
@@ -79,18 +92,18 @@ class UnshardedModel:
         optimizer_state (Dict[str, Dict[str, Dict[str, torch.Tensor]]]): module
             path -> table -> fused optimizer state key -> the whole table's
             state (per element, or per row), when asked for.
+        report (Optional[MoveReport]): what this rank did.
     """
 
     modules: Dict[str, nn.Module]
-    optimizer_state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    optimizer_state: OptimizerState = field(default_factory=dict)
+    report: Optional[MoveReport] = None
 
 
 def _plain_slots(
     modules: Mapping[str, nn.Module],
     fields: Mapping[str, Sequence[Field]],
-    state: Optional[Dict[str, Dict[str, Dict[str, torch.Tensor]]]],
+    state: Optional[OptimizerState],
 ) -> Dict[SlotKey, LocalSlot]:
     """
     Whole tables of plain modules as slots: their weights and, when ``state``
@@ -100,23 +113,126 @@ def _plain_slots(
     for path, module in modules.items():
         for name, rows, cols in plain_tables(module):
             key = table_key(path, name)
-            tensors = {"weight": plain_weight(module, name).detach()}
+            whole = Rect(0, 0, rows, cols)
+            tensors = {WEIGHT: plain_weight(module, name).detach()}
+            kinds = {WEIGHT: FieldKind.RECT}
             if state is not None:
-                for f in fields.get(key, []):
-                    if f.name == "weight":
+                for f in fields.get(key, ()):
+                    if f.name == WEIGHT:
                         continue
-                    shape = {
-                        FieldKind.RECT: (rows, cols),
-                        FieldKind.ROWS: (rows,),
-                        FieldKind.SCALAR: (1,),
-                    }[f.kind]
-                    tensor = torch.empty(shape, dtype=f.dtype)
+                    tensor = torch.empty(f.shape(rows, cols), dtype=f.dtype)
                     state.setdefault(path, {}).setdefault(name, {})[f.name] = tensor
                     tensors[f.name] = tensor
-            out[(key, Rect(0, 0, rows, cols))] = LocalSlot(
-                key, Rect(0, 0, rows, cols), tensors
-            )
+                    kinds[f.name] = f.kind
+            out[(key, whole)] = LocalSlot(key, whole, tensors, kinds)
     return out
+
+
+class Unshard(Participant):
+    """This rank's part of :func:`unshard_model` (see it for the arguments)."""
+
+    kind = "unshard"
+
+    def __init__(self, model: nn.Module, dst: int, optimizer_state: bool) -> None:
+        self._model = model
+        self._dst = dst
+        self._with_state = optimizer_state
+        self._ranks: List[int] = dist.get_process_group_ranks(model._env.process_group)
+        self._me: int = dist.get_rank()
+        self._agreed: Optional[AgreedMove] = None
+        self._old: Dict[str, TableLayout] = {}
+        self._new: Dict[str, TableLayout] = {}
+        self._modules: Dict[str, nn.Module] = {}
+        self._state: OptimizerState = {}
+        self.report = MoveReport(self._me, "source")
+
+    def ranks(self) -> List[int]:
+        return self._ranks
+
+    def digest(self) -> int:
+        return request_digest(self.kind, str(self._dst), str(self._with_state))
+
+    def prepare(self) -> MoveFacts:
+        if not isinstance(self._dst, int) or not 0 <= self._dst < len(self._ranks):
+            raise ReshardError(
+                f"rank {self._dst} is outside the model's group of {len(self._ranks)}"
+            )
+        model = self._model
+        modules = sharded_modules(model.module)
+        tables = {path: sharded_tables(m) for path, m in modules.items()}
+        facts = MoveFacts(
+            old_group=ranks_digest(self._ranks),
+            new_group=ranks_digest(self._ranks),
+            plan=plan_digest(model.plan),
+            model=tables_digest(tables),
+            table_facts={
+                path: local_table_facts(
+                    adapter_for(m).lookups(), [t[0] for t in tables[path]]
+                )
+                for path, m in modules.items()
+            },
+        )
+        if self._me == self._ranks[0]:
+            facts.old_ranks = facts.new_ranks = self._ranks
+            facts.old_plan = model.plan
+            facts.tables = tables
+        return facts
+
+    def merge(self, facts: Sequence[MoveFacts]) -> AgreedMove:
+        return check_move_agreement(self._ranks, facts)
+
+    def agreed(self, merged: AgreedMove) -> None:
+        self._agreed = merged
+        positions = list(range(len(self._ranks)))
+        self._old = plan_layouts(merged.old_plan, merged.tables, positions)
+        self._new = whole_on(merged.tables, self._dst)
+
+    def _fields(self) -> Dict[str, Tuple[Field, ...]]:
+        agreed = self._agreed
+        assert agreed is not None
+        fields = agreed.fields()
+        if not self._with_state:
+            fields = {
+                k: tuple(f for f in v if f.name == WEIGHT) for k, v in fields.items()
+            }
+        return fields
+
+    def build(self) -> None:
+        if self._ranks.index(self._me) != self._dst:
+            return
+        self.report.role = "destination"
+        for path, module in sharded_modules(self._model.module).items():
+            self._modules[path] = plain_twin(module, torch.device("meta")).to_empty(
+                device=torch.device("cpu")
+            )
+
+    def exchange_part(self) -> ExchangePart:
+        fields = self._fields()
+        plan = plan_rank_transfers(self._old, self._new, self._ranks.index(self._me))
+        new_slots = _plain_slots(
+            self._modules, fields, self._state if self._with_state else None
+        )
+        io = slot_io(sharded_slots(self._model.module), new_slots, fields)
+        self.report.tables = len(self._new)
+        return ExchangePart(plan, fields, io)
+
+    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+        self.report.add_exchange(stats)
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        self._modules = {}
+        self._state = {}
+
+    def unchanged(self) -> str:
+        return "the model is unchanged"
+
+    def result(self) -> Optional[UnshardedModel]:
+        if self._ranks.index(self._me) != self._dst:
+            return None
+        return UnshardedModel(self._modules, self._state, self.report)
 
 
 def unshard_model(
@@ -146,60 +262,172 @@ def unshard_model(
             time or the exchange fails.
     """
     options = options or ReshardOptions()
-    group_ranks = dist.get_process_group_ranks(model._env.process_group)
-    me = dist.get_rank()
-    error: Optional[str] = None
-    if not 0 <= dst < len(group_ranks):
-        error = f"rank {dst} is outside the model's group of {len(group_ranks)}"
-    facts = model_facts(model, None)
-    facts.new_ranks = group_ranks  # gathered within the model's own group
-    agreement = agree_among(
-        group_ranks,
-        request_digest("unshard", str(dst), str(optimizer_state)),
-        error,
-        facts,
-        options.exchange_timeout,
-    )
-    agreed = check_move_agreement(group_ranks, agreement.facts)
-    fields = move_fields(agreed)
-    if not optimizer_state:
-        fields = {k: [f for f in v if f.name == "weight"] for k, v in fields.items()}
-    target = group_ranks[dst]
-    plan = move_transfers(
-        plan_layouts(agreed.old_plan, agreed.tables, group_ranks),
-        whole_on(agreed.tables, target),
-        group_ranks,
-    )
-    modules: Dict[str, nn.Module] = {}
-    state: Dict[str, Dict[str, Dict[str, torch.Tensor]]] = {}
-    if me == target:
-        for path, module in sharded_modules(model.module).items():
-            modules[path] = plain_twin(module, torch.device("meta")).to_empty(
-                device=torch.device("cpu")
-            )
-    report = MoveReport(me, "destination" if me == target else "source")
-    group = open_exchange_group_among(
-        group_ranks, agreement.transaction, options.exchange_timeout
-    )
-    try:
-        move_tables(
-            plan,
-            fields,
-            sharded_slots(model.module),
-            _plain_slots(modules, fields, state if optimizer_state else None),
-            group_ranks.index(me),
-            group,
-            options,
-            report,
+    participant = Unshard(model, dst, optimizer_state)
+    outcome = run_transaction(participant, options)
+    participant.report.finish(outcome.phases)
+    return participant.result()
+
+
+def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tensor]:
+    """The parameters and buffers of an unsharded model outside planned modules."""
+    paths = list(plan.plan)
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return dict(sorted((n, t) for n, t in tensors if is_dense(n, paths)))
+
+
+@dataclass(frozen=True)
+class _SourceFacts:
+    """What a rank of :func:`shard_from_rank` states."""
+
+    defined: int
+    defined_text: str
+    tables: Optional[Dict[str, List[TableShape]]] = None
+    dense: Optional[List[DenseSpec]] = None
+
+
+@dataclass(frozen=True)
+class _Sources:
+    tables: Dict[str, List[TableShape]]
+    dense: List[DenseSpec]
+
+
+class ShardFromRank(Participant):
+    """This rank's part of :func:`shard_from_rank` (see it for the arguments)."""
+
+    kind = "shard_from_rank"
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: ShardingPlan,
+        env: ShardingEnv,
+        src: int,
+        sharders: Optional[List[Any]],
+        device: torch.device,
+    ) -> None:
+        self._module = module
+        self._plan = plan
+        self._env = env
+        self._src = src
+        self._sharders = sharders
+        self._device = device
+        self._ranks: List[int] = dist.get_process_group_ranks(env.process_group)
+        self._me: int = dist.get_rank()
+        self._index: int = self._ranks.index(self._me)
+        self._agreed: Optional[_Sources] = None
+        self._new_model: Optional[nn.Module] = None
+        self._plain: Dict[str, nn.Module] = {}
+        self._source_dense: Optional[Dict[str, torch.Tensor]] = None
+        self.report = MoveReport(
+            self._me, "source" if self._index == src else "destination"
         )
-        dist.barrier(group=group)
-    except Exception as e:
-        close_exchange_group(group)
-        raise ReshardAbortedError(
-            f"rank {me}: gathering the model failed ({type(e).__name__}: {e})"
-        ) from e
-    close_exchange_group(group)
-    return UnshardedModel(modules, state) if me == target else None
+
+    def ranks(self) -> List[int]:
+        return self._ranks
+
+    def digest(self) -> int:
+        try:
+            text = sharding_plan_text(self._plan)
+        except Exception:  # not a plan: validation reports it
+            text = f"?{type(self._plan).__name__}"
+        return request_digest(self.kind, text, str(self._src))
+
+    def prepare(self) -> _SourceFacts:
+        if not isinstance(self._src, int) or not 0 <= self._src < len(self._ranks):
+            raise ReshardError(
+                f"rank {self._src} is outside the group of {len(self._ranks)}"
+            )
+        defined = defined_tables(self._module, self._plan)
+        validate_new_plan(self._plan, defined, len(self._ranks), self._device.type)
+        if self._index != self._src:
+            return _SourceFacts(tables_digest(defined), repr(defined))
+        dense = dense_specs(_plain_dense(self._module, self._plan))
+        return _SourceFacts(tables_digest(defined), repr(defined), defined, dense)
+
+    def merge(self, facts: Sequence[_SourceFacts]) -> _Sources:
+        source = facts[self._src]
+        assert source.tables is not None and source.dense is not None
+        for rank, other in zip(self._ranks, facts):
+            if other.defined != source.defined:
+                raise ReshardError(
+                    f"the model definition of rank {rank} has the tables "
+                    f"{other.defined_text}, rank {self._ranks[self._src]}'s "
+                    f"{source.tables}"
+                )
+        return _Sources(source.tables, source.dense)
+
+    def agreed(self, merged: _Sources) -> None:
+        self._agreed = merged
+
+    def build(self) -> None:
+        if self._index == self._src:
+            self._plain = {p: self._module.get_submodule(p) for p in self._plan.plan}
+            self._source_dense = {
+                n: t.detach().clone()
+                for n, t in _plain_dense(self._module, self._plan).items()
+            }
+        # built from a definition: the caller's module stays as it is
+        self._new_model = build_model(
+            meta_definition(self._module, list(self._plan.plan)),
+            self._env,
+            self._plan,
+            self._sharders,
+            self._device,
+        )
+
+    def exchange_part(self) -> ExchangePart:
+        agreed, model = self._agreed, self._new_model
+        assert agreed is not None and model is not None
+        fields: Dict[str, Tuple[Field, ...]] = {
+            table_key(path, name): (
+                Field(WEIGHT, FieldKind.RECT, _weight_dtype(model, path, name)),
+            )
+            for path, shapes in agreed.tables.items()
+            for name, _, _ in shapes
+        }
+        positions = list(range(len(self._ranks)))
+        old = whole_on(agreed.tables, self._src)
+        new = plan_layouts(self._plan, agreed.tables, positions)
+        plan = plan_rank_transfers(old, new, self._index)
+        io = slot_io(
+            _plain_slots(self._plain, fields, None), sharded_slots(model.module), fields
+        )
+        self.report.tables = len(new)
+        return ExchangePart(plan, fields, io)
+
+    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+        agreed, model = self._agreed, self._new_model
+        assert agreed is not None and model is not None
+        self.report.add_exchange(stats)
+        self.report.dense_bytes = broadcast_dense(
+            agreed.dense,
+            self._source_dense,
+            dense_tensors(model.module),
+            self._src,
+            group,
+        )
+
+    def commit(self) -> None:
+        self._plain = {}
+        self._source_dense = None
+
+    def abort(self) -> None:
+        if self._new_model is not None:
+            release_model(self._new_model)
+        self._new_model = None
+        self._plain = {}
+        self._source_dense = None
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def unchanged(self) -> str:
+        return "nothing was sharded"
+
+    @property
+    def new_model(self) -> nn.Module:
+        assert self._new_model is not None
+        return self._new_model
 
 
 def shard_from_rank(
@@ -236,104 +464,12 @@ def shard_from_rank(
             time or the exchange fails.
     """
     options = options or ReshardOptions()
-    device = device or torch.device("cpu")
-    group_ranks = dist.get_process_group_ranks(env.process_group)
-    me = dist.get_rank()
-    source = group_ranks[src] if 0 <= src < len(group_ranks) else -1
-    error: Optional[str] = None
-    defined: Optional[Dict[str, List[TableShape]]] = None
-    dense: Optional[List[Tuple[str, Tuple[int, ...], str]]] = None
-    try:
-        if source < 0:
-            raise ReshardError(f"rank {src} is outside the group of {len(group_ranks)}")
-        defined = defined_tables(module, plan)
-        validate_new_plan(plan, defined, len(group_ranks), device.type)
-        if me == source:
-            dense = [
-                (n, tuple(t.shape), str(t.dtype))
-                for n, t in _plain_dense(module, plan).items()
-            ]
-    except ReshardError as e:
-        error = str(e)
-    agreement = agree_among(
-        group_ranks,
-        request_digest("shard_from_rank", plan_text(plan), str(src)),
-        error,
-        (defined, dense),
-        options.exchange_timeout,
+    participant = ShardFromRank(
+        module, plan, env, src, sharders, device or torch.device("cpu")
     )
-    tables = agreement.facts[group_ranks.index(source)][0]
-    for rank, (other, _) in zip(group_ranks, agreement.facts):
-        if other != tables:
-            raise ReshardError(
-                f"the model definition of rank {rank} has the tables {other}, "
-                f"rank {source}'s {tables}"
-            )
-    dense_specs = agreement.facts[group_ranks.index(source)][1]
-    plain = {p: module.get_submodule(p) for p in plan.plan} if me == source else {}
-    source_dense = (
-        {n: t.detach().clone() for n, t in _plain_dense(module, plan).items()}
-        if me == source
-        else None
-    )
-    error = None
-    new_model: Optional[nn.Module] = None
-    try:
-        new_model = build_model(module, env, plan, sharders, device)
-    except Exception as e:
-        error = f"sharding the model failed: {type(e).__name__}: {e}"
-    built = agree_among(
-        group_ranks, request_digest("built"), error, None, options.exchange_timeout
-    )
-    assert new_model is not None
-    fields = {
-        table_key(path, name): [
-            Field("weight", FieldKind.RECT, _weight_dtype(new_model, path, name))
-        ]
-        for path, shapes in tables.items()
-        for name, _, _ in shapes
-    }
-    transfers = move_transfers(
-        whole_on(tables, source), plan_layouts(plan, tables, group_ranks), group_ranks
-    )
-    report = MoveReport(me, "source" if me == source else "destination")
-    group = open_exchange_group_among(
-        group_ranks, built.transaction, options.exchange_timeout
-    )
-    try:
-        move_tables(
-            transfers,
-            fields,
-            _plain_slots(plain, fields, None),
-            sharded_slots(new_model.module),
-            group_ranks.index(me),
-            group,
-            options,
-            report,
-        )
-        report.dense_bytes = broadcast_dense(
-            dense_specs,
-            source_dense,
-            dense_tensors(new_model.module),
-            group_ranks.index(source),
-            group,
-        )
-        dist.barrier(group=group)
-    except Exception as e:
-        close_exchange_group(group)
-        release_model(new_model)
-        raise ReshardAbortedError(
-            f"rank {me}: sharding from rank {src} failed ({type(e).__name__}: {e})"
-        ) from e
-    close_exchange_group(group)
-    return new_model
-
-
-def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tensor]:
-    """The parameters and buffers of an unsharded model outside planned modules."""
-    paths = list(plan.plan)
-    tensors = list(module.named_parameters()) + list(module.named_buffers())
-    return dict(sorted((n, t) for n, t in tensors if is_dense(n, paths)))
+    outcome = run_transaction(participant, options)
+    participant.report.finish(outcome.phases)
+    return participant.new_model
 
 
 def _weight_dtype(model: nn.Module, path: str, table: str) -> torch.dtype:

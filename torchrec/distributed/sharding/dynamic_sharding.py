@@ -16,6 +16,7 @@ runs the same plan and exchange (``torchrec.distributed.resharding``) directly
 on the module's lookups, together with the fused optimizer state.
 """
 
+from dataclasses import replace
 from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -26,10 +27,12 @@ from torch.distributed._shard.sharded_tensor import (
     TensorProperties,
 )
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.resharding.exchange import exchange_pieces, Field, FieldKind
+from torchrec.distributed.resharding.exchange import execute_transfers
+from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
+    plan_rank_transfers,
     plan_transfers,
     Rect,
     replicated_layout,
@@ -158,19 +161,40 @@ def shards_all_to_all(
         name: _local_tensors(state_dict[extend_shard_name(name)])
         for name in changed_sharding_params
     }
-    received: Dict[Transfer, torch.Tensor] = {}
-
-    def read_piece(t: Transfer, f: Field) -> torch.Tensor:
-        return _slice(sources[t.table][t.src_rect], t.rect.relative_to(t.src_rect))
-
-    def write_piece(t: Transfer, f: Field, data: torch.Tensor) -> None:
-        received[t] = data.clone()
-
-    exchange_pieces(plan, fields, rank, world_size, pg, read_piece, write_piece, device)
-    order = plan.receives(rank)
-    names = [t.table for t in order]
-    pieces = [received[t] for t in order]
+    io = _ReceivedPieces(sources)
+    rank_plan = plan_rank_transfers(plan.old_layouts, plan.new_layouts, rank)
+    # local pieces are installed by update_state_dict_post_resharding
+    rank_plan = replace(rank_plan, local_copies=())
+    execute_transfers(rank_plan, fields, io, pg, device=device)
+    names = [t.table for t in rank_plan.receives]
+    pieces = [io.received[t] for t in rank_plan.receives]
     return names, _concat(pieces, device)
+
+
+class _ReceivedPieces:
+    """The executor's IO (``exchange.PieceIO``) over a state dict's weights:
+    pieces are read from the local shards and kept as they arrive."""
+
+    def __init__(self, sources: Mapping[str, Mapping[Rect, torch.Tensor]]) -> None:
+        self._sources = sources
+        self.received: Dict[Transfer, torch.Tensor] = {}
+
+    def resolve(self, t: Transfer, f: Field) -> torch.Tensor:
+        return _slice(
+            self._sources[t.table][t.src_rect], t.rect.relative_to(t.src_rect)
+        )
+
+    def target(self, t: Transfer, f: Field) -> Optional[torch.Tensor]:
+        return None
+
+    def commit(self, t: Transfer, f: Field, data: torch.Tensor) -> None:
+        self.received[t] = data.clone()
+
+    def kept(self, t: Transfer) -> bool:
+        return False
+
+    def finish(self) -> None:
+        pass
 
 
 def _concat(pieces: List[torch.Tensor], device: torch.device) -> torch.Tensor:

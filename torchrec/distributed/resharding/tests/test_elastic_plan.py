@@ -16,21 +16,28 @@ code under test.
 """
 
 import unittest
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
-    move_transfers,
     MoveFacts,
+    plan_digest,
     plan_layouts,
+    ranks_digest,
     request_digest,
+    tables_digest,
     TableShape,
     validate_new_plan,
     whole_on,
 )
-from torchrec.distributed.resharding.optimizer_state import TableFacts
-from torchrec.distributed.resharding.plan import PlacedShard, Rect, ReshardError
+from torchrec.distributed.resharding.fields import TableFacts
+from torchrec.distributed.resharding.plan import (
+    PlacedShard,
+    plan_transfers,
+    Rect,
+    ReshardError,
+)
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     row_wise,
@@ -66,20 +73,39 @@ def _plan(world_size: int, t0_rank: int) -> ShardingPlan:
     return ShardingPlan({"ebc": module_plan})
 
 
-def _facts(old_ranks: List[int], new_ranks: List[int], model: bool = True) -> MoveFacts:
-    facts = MoveFacts(new_ranks=new_ranks)
+def _facts(
+    rank: int,
+    old_ranks: List[int],
+    new_ranks: Optional[List[int]],
+    model: bool = True,
+) -> MoveFacts:
+    """What global ``rank`` states: whole values only from a group's first rank."""
+    facts = MoveFacts()
+    if new_ranks is not None:
+        facts.new_group = ranks_digest(new_ranks)
+        if rank == new_ranks[0]:
+            facts.new_ranks = new_ranks
     if model:
-        facts.old_ranks = old_ranks
-        facts.old_plan = _plan(len(old_ranks), 1)
-        facts.tables = TABLES
+        plan = _plan(len(old_ranks), 1)
+        facts.old_group = ranks_digest(old_ranks)
+        facts.plan = plan_digest(plan)
+        facts.model = tables_digest(TABLES)
         facts.table_facts = {"ebc": TableFacts()}
-        facts.dense = []
+        if rank == old_ranks[0]:
+            facts.old_ranks = old_ranks
+            facts.old_plan = plan
+            facts.tables = TABLES
+            facts.dense = []
+    elif new_ranks is not None:
+        facts.defined = tables_digest(TABLES)
+        facts.defined_text = repr(TABLES)
     return facts
 
 
 class PlanLayoutsTest(unittest.TestCase):
-    def test_group_local_placements_become_global_ranks(self) -> None:
-        # group [2, 3]: t0 on its rank 1 (global 3), t1 split in rows over both
+    def test_group_local_placements_become_transaction_ranks(self) -> None:
+        # a group numbered [2, 3] in the transaction: t0 on its rank 1 (3), t1
+        # split in rows over both
         layouts = plan_layouts(_plan(2, 1), TABLES, [2, 3])
         self.assertEqual(layouts["ebc:t0"].shards, (PlacedShard(3, Rect(0, 0, 8, 4)),))
         self.assertEqual(
@@ -94,11 +120,11 @@ class PlanLayoutsTest(unittest.TestCase):
 
 class MoveTransfersTest(unittest.TestCase):
     def test_shrink_numbers_ranks_in_the_union(self) -> None:
-        # [0, 1, 2, 3] -> [2, 3]: t0 from global 1 to global 3 (the new group's
-        # rank 1); t1 rows 0-1 (rank 0), 2-3 (rank 1), 4-5 (rank 2) and 6-7...
+        # [0, 1, 2, 3] -> [2, 3]: t0 from rank 1 to rank 3 (the new group's
+        # rank 1); t1 rows 0-1 (rank 0), 2-3 (rank 1), 4-5 (rank 2)...
         old = plan_layouts(_plan(4, 1), TABLES, [0, 1, 2, 3])
         new = plan_layouts(_plan(2, 1), TABLES, [2, 3])
-        plan = move_transfers(old, new, [0, 1, 2, 3])
+        plan = plan_transfers(old, new)
         t0 = [t for t in plan.transfers if t.table == "ebc:t0"]
         self.assertEqual([(t.src_rank, t.dst_rank) for t in t0], [(1, 3)])
         t1 = sorted(
@@ -107,14 +133,15 @@ class MoveTransfersTest(unittest.TestCase):
             if t.table == "ebc:t1"
         )
         # old t1: 6 rows over 4 ranks in blocks of 2 (0-1, 2-3, 4-5, none);
-        # new t1: rows 0-2 on global 2, rows 3-5 on global 3
+        # new t1: rows 0-2 on rank 2, rows 3-5 on rank 3
         self.assertEqual(t1, [(0, 2, 0, 2), (1, 2, 2, 1), (1, 3, 3, 1), (2, 3, 4, 2)])
 
-    def test_disjoint_groups_use_the_union_order(self) -> None:
-        # [0, 1] -> [2, 3]: in the union [0, 1, 2, 3], t0 goes 1 -> 3
+    def test_groups_are_numbered_in_the_union(self) -> None:
+        # global [10, 11] -> [12, 13]: in the union [10, 11, 12, 13] they are
+        # transaction ranks 0, 1 -> 2, 3: t0 goes 1 -> 3
         old = plan_layouts(_plan(2, 1), TABLES, [0, 1])
         new = plan_layouts(_plan(2, 1), TABLES, [2, 3])
-        plan = move_transfers(old, new, [0, 1, 2, 3])
+        plan = plan_transfers(old, new)
         self.assertEqual(
             [(t.src_rank, t.dst_rank) for t in plan.transfers if t.table == "ebc:t0"],
             [(1, 3)],
@@ -124,39 +151,58 @@ class MoveTransfersTest(unittest.TestCase):
 
 class CheckMoveAgreementTest(unittest.TestCase):
     def test_shrink_agrees(self) -> None:
-        facts = [_facts([0, 1, 2, 3], [0, 1]) for _ in range(2)]
-        facts += [_facts([0, 1, 2, 3], None) for _ in range(2)]  # ranks leaving
-        facts[2].new_ranks = None
-        facts[3].new_ranks = None
-        agreed = check_move_agreement([0, 1, 2, 3], facts)
+        old, new = [0, 1, 2, 3], [0, 1]
+        facts = [_facts(r, old, new if r in new else None) for r in old]
+        agreed = check_move_agreement(old, facts)
         self.assertIsInstance(agreed, AgreedMove)
-        self.assertEqual((agreed.old_ranks, agreed.new_ranks), ([0, 1, 2, 3], [0, 1]))
+        self.assertEqual((agreed.old_ranks, agreed.new_ranks), (old, new))
         self.assertEqual(agreed.tables, TABLES)
+        self.assertEqual(agreed.transaction_ranks([1, 3]), [1, 3])
+
+    def test_grow_agrees_with_joining_ranks(self) -> None:
+        old, new = [0, 1], [0, 1, 2, 3]
+        facts = [_facts(r, old, new, model=r in old) for r in new]
+        agreed = check_move_agreement(new, facts)
+        self.assertEqual((agreed.old_ranks, agreed.new_ranks), (old, new))
+
+    def test_only_the_first_ranks_send_whole_values(self) -> None:
+        old = [0, 1, 2, 3]
+        facts = [_facts(r, old, old) for r in old]
+        self.assertIsNotNone(facts[0].old_plan)
+        self.assertTrue(all(f.old_plan is None for f in facts[1:]))
+        self.assertTrue(all(f.tables is None for f in facts[1:]))
 
     def test_disagreeing_new_groups_are_refused(self) -> None:
-        facts = [_facts([0, 1], [0, 1]), _facts([0, 1], [0, 1, 2])]
+        facts = [_facts(0, [0, 1], [0, 1]), _facts(1, [0, 1], [0, 1, 2])]
         with self.assertRaisesRegex(ReshardError, "different new groups"):
             check_move_agreement([0, 1], facts)
 
+    def test_disagreeing_plans_are_refused(self) -> None:
+        facts = [_facts(0, [0, 1], [0, 1]), _facts(1, [0, 1], [0, 1])]
+        facts[1].plan = plan_digest(_plan(2, 0))
+        with self.assertRaisesRegex(ReshardError, "different model plans"):
+            check_move_agreement([0, 1], facts)
+
     def test_participants_must_be_both_groups(self) -> None:
-        facts = [_facts([0, 1], [0, 1]) for _ in range(3)]
+        facts = [_facts(r, [0, 1], [0, 1]) for r in range(3)]
         with self.assertRaisesRegex(ReshardError, "participants"):
             check_move_agreement([0, 1, 2], facts)
 
     def test_a_joining_rank_without_env_is_named(self) -> None:
-        facts = [_facts([0], [0, 1]), _facts([0], [0, 1], model=False)]
-        facts[1].new_ranks = None
+        facts = [_facts(0, [0], [0, 1]), _facts(1, [0], None, model=False)]
         with self.assertRaisesRegex(ReshardError, "rank 1 is in the new group"):
             check_move_agreement([0, 1], facts)
 
     def test_a_differing_definition_is_named(self) -> None:
-        joiner = _facts([0], [0, 1], model=False)
-        joiner.defined_tables = {"ebc": [("t0", 8, 4), ("t1", 7, 4)]}
+        joiner = _facts(1, [0], [0, 1], model=False)
+        other = {"ebc": [("t0", 8, 4), ("t1", 7, 4)]}
+        joiner.defined = tables_digest(other)
+        joiner.defined_text = repr(other)
         with self.assertRaisesRegex(ReshardError, "definition of rank 1"):
-            check_move_agreement([0, 1], [_facts([0], [0, 1]), joiner])
+            check_move_agreement([0, 1], [_facts(0, [0], [0, 1]), joiner])
 
     def test_a_model_attached_to_a_pipeline_is_refused(self) -> None:
-        facts = [_facts([0, 1], [0]), _facts([0, 1], None)]
+        facts = [_facts(0, [0, 1], [0]), _facts(1, [0, 1], None)]
         facts[1].pipelined = ["ebc"]
         with self.assertRaisesRegex(ReshardError, "rank 1.*pipeline.detach"):
             check_move_agreement([0, 1], facts)

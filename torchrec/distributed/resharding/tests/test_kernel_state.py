@@ -36,13 +36,19 @@ from torchrec.distributed.embedding_types import (
     EmbeddingComputeKernel,
     ShardedEmbeddingTable,
 )
-from torchrec.distributed.resharding.exchange import Field, FieldKind
+from torchrec.distributed.resharding.fields import (
+    Field,
+    FieldKind,
+    merge_table_facts,
+    TableFacts,
+)
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     is_fused,
     kept_in_place,
     local_slots,
     LocalSlot,
+    optimizer_state_layout,
     read_piece,
     RowwiseMerges,
     target_piece,
@@ -51,12 +57,9 @@ from torchrec.distributed.resharding.kernel_state import (
 )
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
-    fields_by_table,
     local_table_facts,
-    merge_table_facts,
-    TableFacts,
 )
-from torchrec.distributed.resharding.plan import Rect, Transfer
+from torchrec.distributed.resharding.plan import Rect, ReshardError, Transfer
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
@@ -226,6 +229,30 @@ class KernelStateTest(unittest.TestCase):
             self.assertTrue(torch.all(kept_slot.tensors["sum"] == 1.0))
 
 
+class OptimizerStateLayoutTest(unittest.TestCase):
+    def test_kinds_come_from_the_optimizer_not_from_shapes(self) -> None:
+        # A 16 x 16 shard: row-wise Adagrad's "sum" has 16 values, as many as a
+        # row has columns, so its shape alone could not tell rows from columns.
+        with single_rank_process_group():
+            rowwise = _kernel(["a"], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+            exact = _kernel(["a"], optimizer=EmbOptimType.EXACT_ADAGRAD)
+            self.assertEqual(optimizer_state_layout(rowwise)["sum"], FieldKind.ROWS)
+            self.assertEqual(optimizer_state_layout(exact)["sum"], FieldKind.RECT)
+            (slot,) = local_slots([exact]).values()
+            self.assertEqual(slot.kinds["sum"], FieldKind.RECT)
+            self.assertEqual(tuple(slot.tensors["sum"].shape), (ROWS, COLS))
+
+    def test_a_state_of_an_unknown_layout_is_refused(self) -> None:
+        with single_rank_process_group():
+            kernel = _kernel(["a"], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+            layout = dict(optimizer_state_layout(kernel))
+            layout.pop("sum")
+            from torchrec.distributed.resharding import kernel_state
+
+            with self.assertRaisesRegex(ReshardError, "sum"):
+                kernel_state._state_kind(kernel, layout, "sum")
+
+
 class OptimizerStateTest(unittest.TestCase):
     def test_facts_are_gathered_merged_and_applied(self) -> None:
         with single_rank_process_group():
@@ -240,10 +267,15 @@ class OptimizerStateTest(unittest.TestCase):
             )
             self.assertEqual(facts.learning_rates["a"], lr)
             self.assertEqual(facts.optimizer_iter, 7)
-            self.assertEqual(facts.fields_of("nobody_holds_it"), [])
+            self.assertEqual(facts.fields_of("nobody_holds_it"), ())
+            # dtypes travel as torch.dtype
+            self.assertEqual(facts.fields_of("a")[0].dtype, torch.float32)
 
             other = TableFacts(
-                fields={"a": [("weight", "rect", "torch.float16")], "c": []},
+                fields={
+                    "a": (Field("weight", FieldKind.RECT, torch.float16),),
+                    "c": (),
+                },
                 learning_rates={"a": 1.0, "c": 2.0},
                 optimizer_iter=9,
             )
@@ -252,7 +284,7 @@ class OptimizerStateTest(unittest.TestCase):
             self.assertEqual(merged.learning_rates, {"a": lr, "b": lr, "c": 2.0})
             self.assertEqual(merged.optimizer_iter, 9)
             self.assertEqual(
-                {t: len(f) for t, f in fields_by_table(merged, ["a", "c"]).items()},
+                {t: len(f) for t, f in merged.fields_by_table(["a", "c"]).items()},
                 {"a": 2, "c": 0},
             )
 

@@ -18,14 +18,11 @@ test_exchange.py.
 
 import itertools
 import unittest
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Tuple
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import given, HealthCheck, settings
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
@@ -38,95 +35,16 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     Transfer,
 )
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    grid_shard,
-    row_wise,
-    table_row_wise,
-    table_wise,
+from torchrec.distributed.test_utils.plan_layouts import (
+    constructed_sharding,
+    grid_tiling,
+    one_table_ebc,
+    sharding_by_hand,
+    TABLE_COLS,
+    TABLE_ROWS,
+    TYPE_GENERATORS,
+    WORLD,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-DENSE = EmbeddingComputeKernel.DENSE.value
-FUSED = EmbeddingComputeKernel.FUSED.value
-
-# (row, col, rows, cols, rank)
-ShardTuple = Tuple[int, int, int, int, int]
-
-
-def _sharding(
-    sharding_type: str,
-    shards: Sequence[ShardTuple],
-    kernel: str = DENSE,
-    device: str = "cpu",
-    ranks: Optional[List[int]] = None,
-) -> ParameterSharding:
-    """A ParameterSharding built by hand (for uneven and invalid splits)."""
-    return ParameterSharding(
-        sharding_type=sharding_type,
-        compute_kernel=kernel,
-        ranks=ranks if ranks is not None else [s[4] for s in shards],
-        sharding_spec=EnumerableShardingSpec(
-            [
-                ShardMetadata(
-                    shard_offsets=[row, col],
-                    shard_sizes=[rows, cols],
-                    placement=f"rank:{rank}/{device}",
-                )
-                for row, col, rows, cols, rank in shards
-            ]
-        ),
-    )
-
-
-# The table of the type-pair tests: 10 rows (row-wise splits are uneven:
-# 3, 3, 3, 1) and 256 columns (grid sharding needs two 128-column blocks).
-ROWS_, COLS_ = 10, 256
-WORLD, LOCAL = 4, 2
-
-GENERATORS = {
-    "TW": lambda: table_wise(rank=2),
-    "CW": lambda: column_wise(ranks=[0, 1, 2, 3]),
-    "TWCW": lambda: column_wise(ranks=[3, 1]),
-    "RW": lambda: row_wise(),
-    "TWRW": lambda: table_row_wise(host_index=1),
-    "GRID": lambda: grid_shard(host_indexes=[0, 1]),
-    "DP": lambda: data_parallel(),
-}
-
-
-def _ebc(rows: int = ROWS_, cols: int = COLS_) -> EmbeddingBagCollection:
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name="t", embedding_dim=cols, num_embeddings=rows, feature_names=["f"]
-            )
-        ],
-        device=torch.device("meta"),
-    )
-
-
-def _constructed(
-    kind: str, ebc: Optional[EmbeddingBagCollection] = None
-) -> ParameterSharding:
-    """The ParameterSharding TorchRec's own plan helpers build for ``kind``."""
-    plan = construct_module_sharding_plan(
-        ebc if ebc is not None else _ebc(),
-        {"t": GENERATORS[kind]()},
-        local_size=LOCAL,
-        world_size=WORLD,
-        device_type="cpu",
-    )
-    ps = plan["t"]
-    if kind == "TWCW":
-        ps.sharding_type = ShardingType.TABLE_COLUMN_WISE.value
-    if kind != "DP":
-        ps.compute_kernel = DENSE
-    return ps
 
 
 def _owner_map(layout: TableLayout, world_size: int) -> torch.Tensor:
@@ -274,8 +192,8 @@ class RectTest(unittest.TestCase):
 
 class LayoutTest(unittest.TestCase):
     def _layout(self, kind: str) -> TableLayout:
-        ps = _constructed(kind)
-        return layout_from_parameter_sharding(ps, ROWS_, COLS_, WORLD)
+        ps = constructed_sharding(kind)
+        return layout_from_parameter_sharding(ps, TABLE_ROWS, TABLE_COLS, WORLD)
 
     def _shards(self, layout: TableLayout) -> List[Tuple[int, int, int, int, int]]:
         return [
@@ -340,12 +258,12 @@ class LayoutTest(unittest.TestCase):
         self.assertEqual(
             self._shards(layout), [(0, 0, 10, 256, r) for r in range(WORLD)]
         )
-        self.assertEqual(layout, replicated_layout(ROWS_, COLS_, WORLD))
+        self.assertEqual(layout, replicated_layout(TABLE_ROWS, TABLE_COLS, WORLD))
         for rank in range(WORLD):
-            self.assertEqual(layout.bytes_on(rank, 4), ROWS_ * COLS_ * 4)
+            self.assertEqual(layout.bytes_on(rank, 4), TABLE_ROWS * TABLE_COLS * 4)
 
     def test_hand_built_uneven(self) -> None:
-        ps = _sharding(
+        ps = sharding_by_hand(
             "grid_shard",
             [(0, 0, 7, 4, 1), (7, 0, 3, 4, 0), (0, 4, 2, 12, 0), (2, 4, 8, 12, 1)],
         )
@@ -359,20 +277,23 @@ class LayoutTest(unittest.TestCase):
         )
 
     def test_from_shards_metadata(self) -> None:
-        ps = _constructed("GRID")
+        ps = constructed_sharding("GRID")
         from_metadata = layout_from_shards_metadata(
-            ps.sharding_spec.shards, ROWS_, COLS_
+            ps.sharding_spec.shards, TABLE_ROWS, TABLE_COLS
         )
         self.assertEqual(
-            from_metadata, layout_from_parameter_sharding(ps, ROWS_, COLS_, WORLD)
+            from_metadata,
+            layout_from_parameter_sharding(ps, TABLE_ROWS, TABLE_COLS, WORLD),
         )
         # The same metadata through a ShardedTensor-style metadata object.
         metadata = ps.sharding_spec.build_metadata(
-            torch.Size([ROWS_, COLS_]),
+            torch.Size([TABLE_ROWS, TABLE_COLS]),
             torch.distributed._shard.sharded_tensor.TensorProperties(),
         )
         self.assertEqual(
-            layout_from_shards_metadata(metadata.shards_metadata, ROWS_, COLS_),
+            layout_from_shards_metadata(
+                metadata.shards_metadata, TABLE_ROWS, TABLE_COLS
+            ),
             from_metadata,
         )
 
@@ -383,11 +304,11 @@ class TypePairTransferTest(PlanChecks):
     def test_all_type_pairs(self) -> None:
         layouts = {
             kind: layout_from_parameter_sharding(
-                _constructed(kind), ROWS_, COLS_, WORLD
+                constructed_sharding(kind), TABLE_ROWS, TABLE_COLS, WORLD
             )
-            for kind in GENERATORS
+            for kind in TYPE_GENERATORS
         }
-        for old_kind, new_kind in itertools.product(GENERATORS, GENERATORS):
+        for old_kind, new_kind in itertools.product(TYPE_GENERATORS, TYPE_GENERATORS):
             with self.subTest(old=old_kind, new=new_kind):
                 old, new = layouts[old_kind], layouts[new_kind]
                 plan = plan_transfers({"t": old}, {"t": new})
@@ -404,36 +325,44 @@ class TypePairTransferTest(PlanChecks):
 
     def test_moved_elements_values(self) -> None:
         def moved(a: str, b: str) -> int:
-            old = layout_from_parameter_sharding(_constructed(a), ROWS_, COLS_, WORLD)
-            new = layout_from_parameter_sharding(_constructed(b), ROWS_, COLS_, WORLD)
+            old = layout_from_parameter_sharding(
+                constructed_sharding(a), TABLE_ROWS, TABLE_COLS, WORLD
+            )
+            new = layout_from_parameter_sharding(
+                constructed_sharding(b), TABLE_ROWS, TABLE_COLS, WORLD
+            )
             return plan_transfers({"t": old}, {"t": new}).moved_elements()
 
-        full = ROWS_ * COLS_
+        full = TABLE_ROWS * TABLE_COLS
         # TW on rank 2 -> CW on 0..3: everything but rank 2's quarter moves.
         self.assertEqual(moved("TW", "CW"), full * 3 // 4)
         # TW on rank 2 -> DP: three ranks receive the whole table.
         self.assertEqual(moved("TW", "DP"), 3 * full)
         # DP -> anything: every destination already holds its replica.
-        for kind in GENERATORS:
+        for kind in TYPE_GENERATORS:
             self.assertEqual(moved("DP", kind), 0, kind)
         # TWRW (rows 0-4 on 2, 5-9 on 3) -> TW on 2: rows 5-9 move.
-        self.assertEqual(moved("TWRW", "TW"), 5 * COLS_)
+        self.assertEqual(moved("TWRW", "TW"), 5 * TABLE_COLS)
         # RW (3, 3, 3, 1 rows on 0..3) -> TWRW (5, 5 rows on 2, 3): rows 0-4
         # (rank 2 only had 6-8) and rows 5, 6, 7, 8 (rank 3 only had 9).
-        self.assertEqual(moved("RW", "TWRW"), 5 * COLS_ + 4 * COLS_)
+        self.assertEqual(moved("RW", "TWRW"), 5 * TABLE_COLS + 4 * TABLE_COLS)
 
     def test_replicated_source_prefers_own_replica(self) -> None:
-        old = replicated_layout(ROWS_, COLS_, WORLD)
-        for kind in GENERATORS:
+        old = replicated_layout(TABLE_ROWS, TABLE_COLS, WORLD)
+        for kind in TYPE_GENERATORS:
             new = layout_from_parameter_sharding(
-                _constructed(kind), ROWS_, COLS_, WORLD
+                constructed_sharding(kind), TABLE_ROWS, TABLE_COLS, WORLD
             )
             transfers = plan_table_transfers("t", old, new)
             self.assertTrue(transfers)
             for t in transfers:
                 self.assertEqual(t.src_rank, t.dst_rank, (kind, t))
         # TW on rank 3 from a replica: one local piece, the whole table.
-        tw3 = TableLayout(ROWS_, COLS_, (PlacedShard(3, Rect(0, 0, ROWS_, COLS_)),))
+        tw3 = TableLayout(
+            TABLE_ROWS,
+            TABLE_COLS,
+            (PlacedShard(3, Rect(0, 0, TABLE_ROWS, TABLE_COLS)),),
+        )
         self.assertEqual(
             plan_table_transfers("t", old, tw3),
             [
@@ -468,7 +397,7 @@ class TypePairTransferTest(PlanChecks):
 class OrderingTest(PlanChecks):
     def test_order_tables_dst_shards_then_row_major_sources(self) -> None:
         old = layout_from_parameter_sharding(
-            _sharding(
+            sharding_by_hand(
                 "grid_shard", [(5, 0, 5, 16, 1), (0, 8, 5, 8, 0), (0, 0, 5, 8, 1)]
             ),
             10,
@@ -476,10 +405,13 @@ class OrderingTest(PlanChecks):
             2,
         )
         new = layout_from_parameter_sharding(
-            _sharding("row_wise", [(4, 0, 6, 16, 0), (0, 0, 4, 16, 1)]), 10, 16, 2
+            sharding_by_hand("row_wise", [(4, 0, 6, 16, 0), (0, 0, 4, 16, 1)]),
+            10,
+            16,
+            2,
         )
         tw = layout_from_parameter_sharding(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)]), 10, 16, 2
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)]), 10, 16, 2
         )
         plan = plan_transfers({"a": old, "b": old}, {"a": new, "b": tw}, ["b", "a"])
         tables = [t.table for t in plan.transfers]
@@ -510,12 +442,14 @@ class OrderingTest(PlanChecks):
 
 class UnevenAndEmptyTest(PlanChecks):
     def test_uneven_rows_and_columns(self) -> None:
-        rw = _sharding(
+        rw = sharding_by_hand(
             "row_wise", [(0, 0, 4, 16, 0), (4, 0, 1, 16, 2), (5, 0, 5, 16, 1)]
         )
-        cw = _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 2)])
-        twcw = _sharding("table_column_wise", [(0, 0, 10, 12, 0), (0, 12, 10, 4, 0)])
-        grid = _sharding(
+        cw = sharding_by_hand("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 2)])
+        twcw = sharding_by_hand(
+            "table_column_wise", [(0, 0, 10, 12, 0), (0, 12, 10, 4, 0)]
+        )
+        grid = sharding_by_hand(
             "grid_shard",
             [(0, 0, 7, 4, 1), (7, 0, 3, 4, 0), (0, 4, 2, 12, 2), (2, 4, 8, 12, 1)],
         )
@@ -550,13 +484,13 @@ class UnevenAndEmptyTest(PlanChecks):
 
     def test_zero_row_shard(self) -> None:
         # Row-wise over 4 ranks of a 3-row table: TorchRec gives rank 3 no rows.
-        ps = _constructed("RW", _ebc(rows=3, cols=8))
+        ps = constructed_sharding("RW", one_table_ebc(rows=3, cols=8))
         sizes = [list(m.shard_sizes) for m in ps.sharding_spec.shards]
         self.assertEqual(sizes, [[1, 8], [1, 8], [1, 8], [0, 8]])
         rw = layout_from_parameter_sharding(ps, 3, 8, WORLD)
         self.assertEqual(rw.shards[3], PlacedShard(3, Rect(3, 0, 0, 8)))
         tw = layout_from_parameter_sharding(
-            _sharding("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD
+            sharding_by_hand("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD
         )
         for old, new in ((rw, tw), (tw, rw)):
             plan = plan_transfers({"t": old}, {"t": new})
@@ -578,12 +512,12 @@ class UnevenAndEmptyTest(PlanChecks):
         self.assertEqual(plan.local_copies(3), [])
 
     def test_zero_size_shard_in_the_middle(self) -> None:
-        ps = _sharding(
+        ps = sharding_by_hand(
             "row_wise", [(0, 0, 2, 16, 0), (2, 0, 0, 16, 1), (2, 0, 8, 16, 1)]
         )
         layout = layout_from_parameter_sharding(ps, 10, 16, 2)
         tw = layout_from_parameter_sharding(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)]), 10, 16, 2
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)]), 10, 16, 2
         )
         plan = plan_transfers({"t": tw}, {"t": layout})
         self.check_plan(plan, "t", tw, layout, 2)
@@ -592,21 +526,6 @@ class UnevenAndEmptyTest(PlanChecks):
 
 # --------------------------------------------------------------------------
 # Property test: random tilings of a random table.
-
-
-@st.composite
-def _tiling(draw, rows: int, cols: int, world_size: int) -> List[ShardTuple]:
-    def cuts(n: int) -> List[int]:
-        inner = draw(st.sets(st.integers(1, n - 1), max_size=3)) if n > 1 else set()
-        return [0] + sorted(inner) + [n]
-
-    row_cuts, col_cuts = cuts(rows), cuts(cols)
-    shards = [
-        (r0, c0, r1 - r0, c1 - c0, draw(st.integers(0, world_size - 1)))
-        for r0, r1 in zip(row_cuts, row_cuts[1:])
-        for c0, c1 in zip(col_cuts, col_cuts[1:])
-    ]
-    return draw(st.permutations(shards))
 
 
 class PropertyTest(PlanChecks):
@@ -621,13 +540,13 @@ class PropertyTest(PlanChecks):
         world_size = data.draw(st.integers(1, 4), label="world_size")
         rows = data.draw(st.integers(1, 12), label="rows")
         cols = data.draw(st.integers(1, 12), label="cols")
-        old_shards = data.draw(_tiling(rows, cols, world_size), label="old")
-        new_shards = data.draw(_tiling(rows, cols, world_size), label="new")
+        old_shards = data.draw(grid_tiling(rows, cols, world_size), label="old")
+        new_shards = data.draw(grid_tiling(rows, cols, world_size), label="new")
         old = layout_from_parameter_sharding(
-            _sharding("grid_shard", old_shards), rows, cols, world_size
+            sharding_by_hand("grid_shard", old_shards), rows, cols, world_size
         )
         new = layout_from_parameter_sharding(
-            _sharding("grid_shard", new_shards), rows, cols, world_size
+            sharding_by_hand("grid_shard", new_shards), rows, cols, world_size
         )
         plan = plan_transfers({"t": old}, {"t": new})
         self.check_plan(plan, "t", old, new, world_size)

@@ -32,16 +32,16 @@ from torchrec.distributed.resharding.plan import (
     ReshardError,
     validate_parameter_sharding,
 )
-from torchrec.distributed.resharding.tests.test_plan import (
-    _constructed,
-    _ebc,
-    _sharding,
-    _tiling,
-    COLS_,
+from torchrec.distributed.test_utils.plan_layouts import (
+    constructed_sharding,
     DENSE,
     FUSED,
-    GENERATORS,
-    ROWS_,
+    grid_tiling,
+    one_table_ebc,
+    sharding_by_hand,
+    TABLE_COLS,
+    TABLE_ROWS,
+    TYPE_GENERATORS,
     WORLD,
 )
 from torchrec.distributed.types import ParameterSharding
@@ -60,14 +60,16 @@ class ValidLayoutsTest(unittest.TestCase):
         )
 
     def test_every_constructed_type(self) -> None:
-        for kind in GENERATORS:
+        for kind in TYPE_GENERATORS:
             with self.subTest(kind=kind):
-                self.assert_valid(_constructed(kind), ROWS_, COLS_, WORLD)
+                self.assert_valid(
+                    constructed_sharding(kind), TABLE_ROWS, TABLE_COLS, WORLD
+                )
 
     def test_hand_built_uneven_and_empty_shards(self) -> None:
         cases = [
             (
-                _sharding(
+                sharding_by_hand(
                     "grid_shard",
                     [
                         (0, 0, 7, 4, 1),
@@ -81,7 +83,7 @@ class ValidLayoutsTest(unittest.TestCase):
                 2,
             ),
             (
-                _sharding(
+                sharding_by_hand(
                     "row_wise", [(0, 0, 4, 16, 2), (4, 0, 5, 16, 1), (9, 0, 1, 16, 0)]
                 ),
                 10,
@@ -89,27 +91,29 @@ class ValidLayoutsTest(unittest.TestCase):
                 3,
             ),
             (
-                _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 2)]),
+                sharding_by_hand("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 2)]),
                 10,
                 16,
                 3,
             ),
             (
-                _sharding("table_column_wise", [(0, 0, 10, 12, 0), (0, 12, 10, 4, 0)]),
+                sharding_by_hand(
+                    "table_column_wise", [(0, 0, 10, 12, 0), (0, 12, 10, 4, 0)]
+                ),
                 10,
                 16,
                 3,
             ),
             (
-                _sharding(
+                sharding_by_hand(
                     "row_wise", [(0, 0, 2, 16, 0), (2, 0, 0, 16, 1), (2, 0, 8, 16, 1)]
                 ),
                 10,
                 16,
                 2,
             ),
-            (_sharding("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD),
-            (_constructed("RW", _ebc(rows=3, cols=8)), 3, 8, WORLD),
+            (sharding_by_hand("table_wise", [(0, 0, 3, 8, 3)]), 3, 8, WORLD),
+            (constructed_sharding("RW", one_table_ebc(rows=3, cols=8)), 3, 8, WORLD),
         ]
         for ps, rows, cols, world_size in cases:
             with self.subTest(ps=ps):
@@ -126,8 +130,10 @@ class ValidLayoutsTest(unittest.TestCase):
         world_size = data.draw(st.integers(1, 4), label="world_size")
         rows = data.draw(st.integers(1, 12), label="rows")
         cols = data.draw(st.integers(1, 12), label="cols")
-        shards = data.draw(_tiling(rows, cols, world_size), label="tiling")
-        self.assert_valid(_sharding("grid_shard", shards), rows, cols, world_size)
+        shards = data.draw(grid_tiling(rows, cols, world_size), label="tiling")
+        self.assert_valid(
+            sharding_by_hand("grid_shard", shards), rows, cols, world_size
+        )
 
 
 # --------------------------------------------------------------------------
@@ -156,10 +162,10 @@ class ValidationTest(unittest.TestCase):
 
     def test_valid_shardings_pass(self) -> None:
         for ps in (
-            _sharding("table_wise", [(0, 0, 10, 16, 1)]),
-            _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED),
-            _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)]),
-            _sharding("row_wise", [(0, 0, 9, 16, 1), (9, 0, 1, 16, 0)]),
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 1)]),
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED),
+            sharding_by_hand("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)]),
+            sharding_by_hand("row_wise", [(0, 0, 9, 16, 1), (9, 0, 1, 16, 0)]),
             ParameterSharding(
                 sharding_type="data_parallel", compute_kernel=DENSE, ranks=None
             ),
@@ -169,16 +175,16 @@ class ValidationTest(unittest.TestCase):
 
     def test_gap(self) -> None:
         self.assert_rejected(
-            _sharding("row_wise", [(0, 0, 4, 16, 0), (5, 0, 5, 16, 1)]), "tile"
+            sharding_by_hand("row_wise", [(0, 0, 4, 16, 0), (5, 0, 5, 16, 1)]), "tile"
         )
 
     def test_overlap(self) -> None:
         # EnumerableShardingSpec rejects overlaps at construction: overlap a
         # valid spec afterwards (as a hand-edited plan could).
-        ps = _sharding("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
+        ps = sharding_by_hand("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
         ps.sharding_spec.shards[0].shard_sizes = [6, 16]
         self.assert_rejected(ps, "overlap")
-        ps = _sharding("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
+        ps = sharding_by_hand("row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)])
         ps.sharding_spec.shards.append(
             ShardMetadata(
                 shard_offsets=[0, 0], shard_sizes=[5, 16], placement="rank:1/cpu"
@@ -187,14 +193,16 @@ class ValidationTest(unittest.TestCase):
         self.assert_rejected(ps, "overlap")
 
     def test_wrong_total_size(self) -> None:
-        tw = _sharding("table_wise", [(0, 0, 10, 16, 0)])
+        tw = sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)])
         # The shards tile a 10x16 table, not the module's 12x16 / 10x20 one.
         self.assert_rejected(tw, "tile", rows=12)
         self.assert_rejected(tw, "tile", cols=20)
         # Larger than the table.
-        self.assert_rejected(_sharding("table_wise", [(0, 0, 11, 16, 0)]), "tile")
         self.assert_rejected(
-            _sharding(
+            sharding_by_hand("table_wise", [(0, 0, 11, 16, 0)]), "tile"
+        )
+        self.assert_rejected(
+            sharding_by_hand(
                 "row_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1), (10, 0, 1, 16, 1)]
             ),
             "tile",
@@ -202,31 +210,34 @@ class ValidationTest(unittest.TestCase):
 
     def test_rank_out_of_range(self) -> None:
         self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 2)]), "outside the process group"
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 2)]),
+            "outside the process group",
         )
         self.assert_rejected(
-            _sharding("column_wise", [(0, 0, 10, 8, 0), (0, 8, 10, 8, 7)]),
+            sharding_by_hand("column_wise", [(0, 0, 10, 8, 0), (0, 8, 10, 8, 7)]),
             "outside the process group",
         )
         # Valid placements, but an out-of-range rank in ``ranks``.
         self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 1)], ranks=[3]),
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 1)], ranks=[3]),
             "outside the process group",
         )
 
     def test_wrong_device_type(self) -> None:
         self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)], device="cuda:0"), "device type"
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], device="cuda:0"),
+            "device type",
         )
         self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 10, 16, 0)]),
+            sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)]),
             "device type",
             device_type="cuda",
         )
 
     def test_unsupported_sharding_type(self) -> None:
         self.assert_rejected(
-            _sharding("fancy_wise", [(0, 0, 10, 16, 0)]), "sharding type 'fancy_wise'"
+            sharding_by_hand("fancy_wise", [(0, 0, 10, 16, 0)]),
+            "sharding type 'fancy_wise'",
         )
 
     def test_unsupported_compute_kernel(self) -> None:
@@ -236,27 +247,31 @@ class ValidationTest(unittest.TestCase):
             EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
         ):
             self.assert_rejected(
-                _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=kernel),
+                sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], kernel=kernel),
                 f"compute kernel '{kernel}'",
             )
 
     def test_table_wise_with_two_shards(self) -> None:
         self.assert_rejected(
-            _sharding("table_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)]),
+            sharding_by_hand("table_wise", [(0, 0, 5, 16, 0), (5, 0, 5, 16, 1)]),
             "exactly one shard",
         )
 
     def test_column_wise_not_spanning_rows(self) -> None:
         for kind in ("column_wise", "table_column_wise"):
             self.assert_rejected(
-                _sharding(kind, [(0, 0, 10, 8, 0), (0, 8, 5, 8, 1), (5, 8, 5, 8, 1)]),
+                sharding_by_hand(
+                    kind, [(0, 0, 10, 8, 0), (0, 8, 5, 8, 1), (5, 8, 5, 8, 1)]
+                ),
                 "span all 10 rows",
             )
 
     def test_row_wise_not_spanning_columns(self) -> None:
         for kind in ("row_wise", "table_row_wise"):
             self.assert_rejected(
-                _sharding(kind, [(0, 0, 5, 16, 0), (5, 0, 5, 8, 1), (5, 8, 5, 8, 1)]),
+                sharding_by_hand(
+                    kind, [(0, 0, 5, 16, 0), (5, 0, 5, 8, 1), (5, 8, 5, 8, 1)]
+                ),
                 "span all 16 columns",
             )
 
@@ -318,8 +333,8 @@ class DeltaDigestTest(unittest.TestCase):
         self.assertEqual(delta_digest(a), delta_digest(b))
         # Also through TorchRec's own plan construction.
         self.assertEqual(
-            delta_digest({"t": _constructed("GRID")}),
-            delta_digest({"t": _constructed("GRID")}),
+            delta_digest({"t": constructed_sharding("GRID")}),
+            delta_digest({"t": constructed_sharding("GRID")}),
         )
 
     def test_independent_of_dict_order(self) -> None:
@@ -332,13 +347,15 @@ class DeltaDigestTest(unittest.TestCase):
         base = delta_digest(_build_delta())
         variants = []
         d = _build_delta()
-        d["t0"] = _sharding("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED)
+        d["t0"] = sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], kernel=FUSED)
         variants.append(d)  # another rank
         d = _build_delta()
         d["t0"].compute_kernel = DENSE
         variants.append(d)  # another kernel
         d = _build_delta()
-        d["t1"] = _sharding("column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)], FUSED)
+        d["t1"] = sharding_by_hand(
+            "column_wise", [(0, 0, 10, 4, 1), (0, 4, 10, 12, 0)], FUSED
+        )
         variants.append(d)  # other column cuts
         d = _build_delta()
         d["t1"].sharding_type = "table_column_wise"

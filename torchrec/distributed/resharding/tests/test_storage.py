@@ -8,94 +8,109 @@
 # pyre-strict
 
 """
-One-process tests of ``storage``: the batch keys that split a rebuilt group
-into kernels of kept and of changed tables, and the cap on kernels per group.
+One-process tests of ``storage``: the batch keys that give runs of kept shards
+kernels of their own (the same on every rank, keeping the user's own key), the
+cap on kernels per group, and the keys a rebuilt group's tables get.
 (The release of pages itself is tested in test_memory.py.)
 """
 
 import unittest
-from typing import Dict, List, Optional
+from collections import OrderedDict
+from typing import Any, Dict, Optional
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.resharding.storage import (
     BATCH_KEY,
+    batch_keys,
+    KeptBatchKey,
+    KeptStorage,
+    key_rebuilt_groups,
     MAX_KERNELS_PER_GROUP,
-    split_kept_tables,
+    user_batch_key,
+    with_batch_key,
 )
 from torchrec.distributed.types import ParameterSharding
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+TW = "table_wise"
 
-def _info(name: str, batch_key: Optional[str] = None) -> EmbeddingShardingInfo:
+
+def _info(name: str, batch_key: Any = None) -> EmbeddingShardingInfo:
     config = EmbeddingBagConfig(
         name=name, embedding_dim=4, num_embeddings=8, feature_names=[f"f_{name}"]
     )
-    fused = {"learning_rate": 0.1}
+    fused: Dict[str, Any] = {"learning_rate": 0.1}
     if batch_key is not None:
         fused[BATCH_KEY] = batch_key
     return EmbeddingShardingInfo(
         embedding_config=config,
         param_sharding=ParameterSharding(
-            sharding_type="table_wise", compute_kernel="fused", ranks=[0]
+            sharding_type=TW, compute_kernel="fused", ranks=[0]
         ),
         param=torch.empty(0),
         fused_params=fused,
     )
 
 
-def _keys(infos: List[EmbeddingShardingInfo]) -> Dict[str, Optional[str]]:
-    return {
-        i.embedding_config.name: (i.fused_params or {}).get(BATCH_KEY) for i in infos
-    }
-
-
-class SplitKeptTablesTest(unittest.TestCase):
-    def test_changed_tables_get_the_generation_key_and_kept_ones_keep_theirs(
-        self,
-    ) -> None:
-        kept = _info("a")
-        mine = _info("b", "user")
-        infos = {"table_wise": [kept, _info("c"), mine, _info("d", "user#reshard2")]}
-        split_kept_tables(infos, ["table_wise"], {"c", "d"}, generation=3)
+class BatchKeysTest(unittest.TestCase):
+    def test_tables_of_one_run_share_a_key_on_every_rank(self) -> None:
+        # rank 0 keeps a run [a, b], rank 1 a run [b] and a run [c]
+        runs = [(0, {"m": [["a", "b"]]}), (1, {"m": [["b"], ["c"]]})]
+        placements = {"m": {t: (TW, (0, 1)) for t in "abcd"}}
+        keys = batch_keys(runs, placements, {"m": {"a": "user"}})
+        self.assertEqual(keys["m"]["a"], KeptBatchKey("user", ((0, 0),)))
+        self.assertEqual(keys["m"]["b"], KeptBatchKey(None, ((0, 0), (1, 0))))
+        self.assertEqual(keys["m"]["c"], KeptBatchKey(None, ((1, 1),)))
+        self.assertNotIn("d", keys["m"])  # changed: no key of a run
+        # the same facts in another order give the same keys
         self.assertEqual(
-            _keys(infos["table_wise"]),
-            {"a": None, "b": "user", "c": "#reshard3", "d": "user#reshard3"},
+            batch_keys(list(reversed(runs)), placements, {"m": {"a": "user"}}), keys
         )
-        # kept tables keep the very info object the module holds
-        self.assertIs(infos["table_wise"][0], kept)
-        self.assertIs(infos["table_wise"][2], mine)
-        self.assertEqual(infos["table_wise"][1].fused_params["learning_rate"], 0.1)
 
-    def test_groups_not_rebuilt_are_left_alone(self) -> None:
-        infos = {"table_wise": [_info("a")], "row_wise": [_info("b")]}
-        split_kept_tables(infos, ["table_wise"], {"a", "b"}, generation=1)
-        self.assertEqual(_keys(infos["row_wise"]), {"b": None})
-        self.assertEqual(_keys(infos["table_wise"]), {"a": "#reshard1"})
-
-    def test_too_many_kernels_merge_into_one_per_user_key(self) -> None:
+    def test_too_many_kernels_give_no_keys(self) -> None:
         names = [f"t{i}" for i in range(MAX_KERNELS_PER_GROUP + 1)]
-        # one table per earlier generation: as many keys as the cap allows
-        infos = {
-            "table_wise": [_info(names[0])]
-            + [
-                _info(n, f"#reshard{g}")
-                for g, n in enumerate(names[1:MAX_KERNELS_PER_GROUP], start=1)
-            ]
-            + [_info(names[-1]), _info("u0", "user"), _info("u1", "user#reshard1")]
-        }
-        split_kept_tables(infos, ["table_wise"], {names[-1]}, generation=9)
-        self.assertEqual(
-            set(_keys(infos["table_wise"]).values()), {"#reshard9", "user#reshard9"}
-        )
+        # every table a run of its own on rank 0: one kernel each, plus the rest
+        runs = [(0, {"m": [[n] for n in names]})]
+        placements = {"m": {n: (TW, (0,)) for n in names + ["x"]}}
+        self.assertEqual(batch_keys(runs, placements, {}), {"m": {}})
+        # within the cap, every run keeps its key
+        placements = {"m": {n: (TW, (0,)) for n in names[:2] + ["x"]}}
+        runs = [(0, {"m": [[n] for n in names[:2]]})]
+        self.assertEqual(set(batch_keys(runs, placements, {})["m"]), set(names[:2]))
 
-    def test_within_the_cap_nothing_merges(self) -> None:
-        infos = {"table_wise": [_info("a"), _info("b", "#reshard1"), _info("c")]}
-        split_kept_tables(infos, ["table_wise"], {"c"}, generation=2)
-        self.assertEqual(
-            _keys(infos["table_wise"]),
-            {"a": None, "b": "#reshard1", "c": "#reshard2"},
+    def test_user_keys_survive(self) -> None:
+        key = KeptBatchKey("user", ((0, 0),))
+        self.assertEqual(user_batch_key({BATCH_KEY: key}), "user")
+        self.assertEqual(user_batch_key({BATCH_KEY: "mine"}), "mine")
+        self.assertIsNone(user_batch_key(None))
+        self.assertEqual(with_batch_key({BATCH_KEY: key, "x": 1}, None), {"x": 1})
+
+
+class KeyRebuiltGroupsTest(unittest.TestCase):
+    def test_tables_of_rebuilt_groups_get_the_agreed_keys(self) -> None:
+        stale = KeptBatchKey(None, ((3, 3),))  # from an earlier transaction
+        infos = OrderedDict(
+            [
+                (TW, [_info("a"), _info("b", stale), _info("c", "user")]),
+                ("row_wise", [_info("d", stale)]),
+            ]
         )
+        kept = KeptBatchKey(None, ((0, 0),))
+        params = {"m": {i.embedding_config.name: i.param for i in infos[TW]}}
+        hooks = KeptStorage(keys={"m": {"a": kept, "c": kept}}, params=params)
+        untouched = infos["row_wise"][0]
+        key_rebuilt_groups(infos, [TW], hooks)
+        keys: Dict[str, Optional[Any]] = {
+            i.embedding_config.name: (i.fused_params or {}).get(BATCH_KEY)
+            for group in infos.values()
+            for i in group
+        }
+        self.assertEqual(keys["a"], kept)
+        self.assertIsNone(keys["b"])  # a stale key of a run is dropped
+        self.assertEqual(keys["c"], KeptBatchKey("user", ((0, 0),)))
+        self.assertIs(infos["row_wise"][0], untouched)  # not rebuilt
+        self.assertEqual(infos[TW][0].fused_params["learning_rate"], 0.1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,578 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Load measurement of a running sharded model: what each table is asked for and
+what each rank spends on its embeddings.
+
+``LoadMonitor`` registers hooks on the sharded embedding modules of a
+``DistributedModelParallel`` (and removes them on ``remove()``):
+
+* a forward pre-hook on each sharded module counts, per feature, the ids and
+  the samples of the local batch from the ``KeyedJaggedTensor``'s lengths (a
+  sum on the lengths' device, no collective and no host sync per step);
+* forward pre/post hooks on the module's input dists, output dists and lookup
+  kernels time each part on this rank, and autograd hooks on each kernel's
+  output node time its backward (with the fused optimizer's update): the
+  kernels' forward and backward are the rank's compute, the dists' calls are
+  timed apart from it. A dist's awaitable is waited for later, where ranks
+  wait for each other; that waiting is in no figure but the step time.
+
+Every ``window`` steps ``LoadMonitor.collect`` packs this rank's counters into
+one flat tensor and all-reduces it once; ``statistics_from_vector`` (pure)
+turns the sum into a ``LoadStatistics``: per table its mean pooling factor per
+feature and ids per step, per rank its measured times. After a live reshard
+replaced a module's kernels and dists, the hooks follow the new ones (the
+module's ``_reshard_generation`` tells).
+"""
+
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# The per-rank figures of a window, in the order they are packed.
+RANK_FIELDS: Tuple[str, ...] = (
+    "steps",
+    "compute_seconds",
+    "input_dist_seconds",
+    "output_dist_seconds",
+    "step_seconds",
+    "reshard_bytes",
+    "reshard_seconds",
+)
+
+
+@dataclass(frozen=True)
+class FeatureSlot:
+    """
+    A (module, feature) the monitor counts, and the tables that read it.
+
+    Args:
+        path (str): the sharded module's path in the plan.
+        feature (str): the feature name.
+        tables (Tuple[str, ...]): tables of that module reading the feature.
+    """
+
+    path: str
+    feature: str
+    tables: Tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class TableLoad:
+    """
+    A table's measured load over a window, summed over every rank.
+
+    Args:
+        path (str): the sharded module's path.
+        table (str): the table.
+        features (Tuple[str, ...]): its features, in its config's order.
+        pooling_factors (Tuple[float, ...]): per feature, mean ids per sample
+            (None where the window saw no sample of the feature).
+        samples_per_rank_step (Tuple[float, ...]): per feature, mean samples
+            per rank and step (the local batch size, for a plain feature).
+        ids_per_step (float): ids looked up per step over all ranks.
+    """
+
+    path: str
+    table: str
+    features: Tuple[str, ...]
+    pooling_factors: Tuple[Optional[float], ...]
+    samples_per_rank_step: Tuple[float, ...]
+    ids_per_step: float
+
+
+@dataclass(frozen=True)
+class LoadStatistics:
+    """
+    One window's measured load, identical on every rank (from one all-reduce).
+
+    Args:
+        steps (int): steps in the window.
+        tables (Tuple[TableLoad, ...]): per table, sorted by (path, table).
+        compute_seconds (Tuple[float, ...]): per rank, kernel forward +
+            backward seconds per step.
+        input_dist_seconds (Tuple[float, ...]): per rank, seconds per step in
+            input dist calls.
+        output_dist_seconds (Tuple[float, ...]): per rank, seconds per step in
+            output dist calls.
+        step_seconds (Tuple[float, ...]): per rank, mean wall seconds per step.
+        reshard_bytes (Tuple[float, ...]): per rank, bytes sent + received by
+            the reshards of the window.
+        reshard_seconds (Tuple[float, ...]): per rank, their seconds.
+    """
+
+    steps: int
+    tables: Tuple[TableLoad, ...]
+    compute_seconds: Tuple[float, ...]
+    input_dist_seconds: Tuple[float, ...]
+    output_dist_seconds: Tuple[float, ...]
+    step_seconds: Tuple[float, ...]
+    reshard_bytes: Tuple[float, ...] = ()
+    reshard_seconds: Tuple[float, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.compute_seconds)
+
+    @property
+    def embedding_seconds(self) -> Tuple[float, ...]:
+        """Per rank, compute + input dist + output dist seconds per step."""
+        return tuple(
+            c + i + o
+            for c, i, o in zip(
+                self.compute_seconds, self.input_dist_seconds, self.output_dist_seconds
+            )
+        )
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest rank's embedding seconds over the mean (1.0: balanced)."""
+        seconds = self.embedding_seconds
+        mean = sum(seconds) / max(len(seconds), 1)
+        return max(seconds) / mean if mean > 0 else 1.0
+
+    @property
+    def step_time(self) -> float:
+        """The window's step time: the slowest rank's mean."""
+        return max(self.step_seconds) if self.step_seconds else 0.0
+
+    def table(self, path: str, table: str) -> TableLoad:
+        for load in self.tables:
+            if load.path == path and load.table == table:
+                return load
+        raise KeyError((path, table))
+
+    def digest(self) -> str:
+        """A digest of every figure: equal on ranks that reduced the same sums."""
+        h = hashlib.sha256(str(self.steps).encode())
+        for load in self.tables:
+            h.update(f"{load.path}/{load.table}".encode())
+            for pf in load.pooling_factors:
+                h.update(struct.pack("<d", -1.0 if pf is None else pf))
+            h.update(struct.pack("<d", load.ids_per_step))
+        for name in RANK_FIELDS[1:]:
+            for value in getattr(self, name):
+                h.update(struct.pack("<d", value))
+        return h.hexdigest()
+
+
+def feature_slots(
+    module_tables: Sequence[Tuple[str, Sequence[Tuple[str, Sequence[str]]]]],
+) -> Tuple[FeatureSlot, ...]:
+    """
+    The counters of a model: one per (module path, feature).
+
+    Args:
+        module_tables: per module path, its tables as (table, feature names).
+
+    Returns:
+        Tuple[FeatureSlot, ...]: sorted by (path, feature).
+    """
+    readers: Dict[Tuple[str, str], List[str]] = {}
+    for path, tables in module_tables:
+        for table, features in tables:
+            for feature in features:
+                readers.setdefault((path, feature), []).append(table)
+    return tuple(
+        FeatureSlot(path, feature, tuple(readers[(path, feature)]))
+        for path, feature in sorted(readers)
+    )
+
+
+def statistics_from_vector(
+    vector: Sequence[float],
+    slots: Sequence[FeatureSlot],
+    module_tables: Sequence[Tuple[str, Sequence[Tuple[str, Sequence[str]]]]],
+    world_size: int,
+) -> LoadStatistics:
+    """
+    Turns the all-reduced counters of a window into statistics (pure).
+
+    Args:
+        vector (Sequence[float]): ids per slot, samples per slot, then each of
+            ``RANK_FIELDS`` per rank, as ``LoadMonitor`` packs them, summed.
+        slots (Sequence[FeatureSlot]): the slots, as ``feature_slots`` gives.
+        module_tables: per module path, its tables as (table, feature names).
+        world_size (int): ranks.
+
+    Returns:
+        LoadStatistics: the window's statistics.
+
+    Raises:
+        ValueError: when the ranks counted different numbers of steps.
+    """
+    n = len(slots)
+    ids, samples = list(vector[:n]), list(vector[n : 2 * n])
+    per_rank: Dict[str, Tuple[float, ...]] = {}
+    for i, name in enumerate(RANK_FIELDS):
+        start = 2 * n + i * world_size
+        per_rank[name] = tuple(float(v) for v in vector[start : start + world_size])
+    steps_per_rank = {int(s) for s in per_rank["steps"]}
+    if len(steps_per_rank) != 1:
+        raise ValueError(
+            f"the ranks counted different numbers of steps: {per_rank['steps']}"
+        )
+    steps = steps_per_rank.pop()
+    index = {(s.path, s.feature): i for i, s in enumerate(slots)}
+    loads = []
+    for path, tables in module_tables:
+        for table, features in tables:
+            pfs: List[Optional[float]] = []
+            per_rank_step: List[float] = []
+            total = 0.0
+            for feature in features:
+                i = index[(path, feature)]
+                pfs.append(ids[i] / samples[i] if samples[i] > 0 else None)
+                per_rank_step.append(samples[i] / max(steps * world_size, 1))
+                total += ids[i]
+            loads.append(
+                TableLoad(
+                    path,
+                    table,
+                    tuple(features),
+                    tuple(pfs),
+                    tuple(per_rank_step),
+                    total / max(steps, 1),
+                )
+            )
+    loads.sort(key=lambda load: (load.path, load.table))
+
+    def per_step(name: str) -> Tuple[float, ...]:
+        return tuple(v / max(steps, 1) for v in per_rank[name])
+
+    return LoadStatistics(
+        steps=steps,
+        tables=tuple(loads),
+        compute_seconds=per_step("compute_seconds"),
+        input_dist_seconds=per_step("input_dist_seconds"),
+        output_dist_seconds=per_step("output_dist_seconds"),
+        step_seconds=per_step("step_seconds"),
+        reshard_bytes=per_rank["reshard_bytes"],
+        reshard_seconds=per_rank["reshard_seconds"],
+    )
+
+
+def module_tables(
+    sharded: nn.Module,
+) -> List[Tuple[str, List[str]]]:
+    """
+    A sharded EBC's or EC's tables with their features, in config order.
+
+    Args:
+        sharded (nn.Module): a ``ShardedEmbeddingBagCollection`` or
+            ``ShardedEmbeddingCollection``.
+
+    Returns:
+        List[Tuple[str, List[str]]]: (table, feature names) per table.
+    """
+    configs = getattr(sharded, "_embedding_bag_configs", None)
+    if configs is None:
+        configs = getattr(sharded, "_embedding_configs")
+    return [(c.name, list(c.feature_names)) for c in configs]
+
+
+def _kernels(lookup: nn.Module) -> List[nn.Module]:
+    """The kernel modules of a lookup (through a data-parallel wrapper)."""
+    inner = getattr(lookup, "module", None)
+    if not hasattr(lookup, "_emb_modules") and isinstance(inner, nn.Module):
+        lookup = inner
+    return list(getattr(lookup, "_emb_modules", [lookup]))
+
+
+class _Timer:
+    """Accumulates the seconds between pairs of start/stop calls."""
+
+    def __init__(self) -> None:
+        self.seconds: float = 0.0
+        self._start: float = 0.0
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self, *args: Any, **kwargs: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
+class _ModuleMonitor:
+    """The hooks on one sharded module and its counters."""
+
+    def __init__(
+        self,
+        path: str,
+        module: nn.Module,
+        slot_index: Dict[Tuple[str, str], int],
+        ids: torch.Tensor,
+        samples: torch.Tensor,
+        timers: Dict[str, _Timer],
+    ) -> None:
+        self._path = path
+        self._module = module
+        self._slot_index = slot_index
+        self._ids = ids
+        self._samples = samples
+        self._timers = timers
+        self._index_cache: Dict[Tuple[str, ...], torch.Tensor] = {}
+        self._inner: List[RemovableHandle] = []
+        self._signature: Tuple[int, ...] = ()
+        self._handle: RemovableHandle = module.register_forward_pre_hook(
+            self._pre_forward, with_kwargs=True
+        )
+        self._rehook()
+
+    def _current_signature(self) -> Tuple[int, ...]:
+        m = self._module
+        return (
+            int(getattr(m, "_reshard_generation", 0)),
+            len(getattr(m, "_input_dists", [])),
+            len(getattr(m, "_lookups", [])),
+            len(getattr(m, "_output_dists", [])),
+        )
+
+    def _rehook(self) -> None:
+        for handle in self._inner:
+            handle.remove()
+        self._inner = []
+        m = self._module
+        for dist_module, timer in [
+            *[(d, self._timers["input_dist_seconds"]) for d in m._input_dists],
+            *[(d, self._timers["output_dist_seconds"]) for d in m._output_dists],
+        ]:
+            if isinstance(dist_module, nn.Module):
+                self._inner.append(dist_module.register_forward_pre_hook(timer.start))
+                self._inner.append(dist_module.register_forward_hook(timer.stop))
+        compute = self._timers["compute_seconds"]
+        for lookup in m._lookups:
+            for kernel in _kernels(lookup):
+                self._inner.append(kernel.register_forward_pre_hook(compute.start))
+                self._inner.append(kernel.register_forward_hook(self._post_kernel))
+        self._signature = self._current_signature()
+
+    def _post_kernel(self, module: nn.Module, args: Any, output: Any) -> None:
+        compute = self._timers["compute_seconds"]
+        compute.stop()
+        node = getattr(output, "grad_fn", None)
+        if node is not None:
+            backward = _Timer()
+
+            def stop(grad_inputs: Any, grad_outputs: Any) -> None:
+                backward.stop()
+                compute.seconds += backward.seconds
+
+            node.register_prehook(lambda grad_outputs: backward.start())
+            node.register_hook(stop)
+
+    def _slots_for(self, keys: Tuple[str, ...], device: torch.device) -> torch.Tensor:
+        index = self._index_cache.get(keys)
+        if index is None:
+            trash = self._ids.numel() - 1
+            index = torch.tensor(
+                [self._slot_index.get((self._path, k), trash) for k in keys],
+                dtype=torch.long,
+                device=device,
+            )
+            self._index_cache[keys] = index
+        return index
+
+    def _pre_forward(
+        self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+    ) -> None:
+        if self._current_signature() != self._signature:
+            self._rehook()
+        features = args[0] if args else kwargs.get("features")
+        if isinstance(features, KeyedJaggedTensor):
+            self.count(features)
+
+    def count(self, features: KeyedJaggedTensor) -> None:
+        """Adds a local batch's ids and samples per feature to the counters."""
+        keys = tuple(features.keys())
+        if not keys:
+            return
+        lengths = features.lengths()
+        index = self._slots_for(keys, self._ids.device)
+        if features.variable_stride_per_key():
+            strides = features.stride_per_key()
+            per_key = torch.stack([s.sum() for s in torch.split(lengths, strides)]).to(
+                self._ids
+            )
+            samples = torch.tensor(strides, dtype=self._ids.dtype)
+        else:
+            stride = features.stride()
+            per_key = lengths.view(len(keys), stride).sum(dim=1).to(self._ids)
+            samples = torch.full((len(keys),), float(stride), dtype=self._ids.dtype)
+        self._ids.index_add_(0, index, per_key.to(self._ids.device))
+        self._samples.index_add_(0, index, samples.to(self._samples.device))
+
+    def remove(self) -> None:
+        self._handle.remove()
+        for handle in self._inner:
+            handle.remove()
+        self._inner = []
+
+
+class LoadMonitor:
+    """
+    Measures the load of every sharded embedding module of a model: per
+    feature the ids and samples this rank's batches had, per part the seconds
+    this rank spent. Hooks only: ``remove()`` takes them all off again.
+
+    Args:
+        modules (Sequence[Tuple[str, nn.Module]]): (plan path, sharded module)
+            of every sharded EBC / EC to watch.
+        device (torch.device): where the id counters live (the device of the
+            process group's collectives).
+
+    Example::
+
+        monitor = LoadMonitor.for_model(model)
+        for step in range(window):
+            train_step()
+            monitor.end_step()
+        stats = monitor.collect(pg)  # every rank, once per window
+    """
+
+    def __init__(
+        self, modules: Sequence[Tuple[str, nn.Module]], device: torch.device
+    ) -> None:
+        self.module_tables: List[Tuple[str, List[Tuple[str, List[str]]]]] = [
+            (path, module_tables(m)) for path, m in modules
+        ]
+        self.slots: Tuple[FeatureSlot, ...] = feature_slots(self.module_tables)
+        index = {(s.path, s.feature): i for i, s in enumerate(self.slots)}
+        # One extra slot collects keys the modules do not read.
+        self._ids: torch.Tensor = torch.zeros(
+            len(self.slots) + 1, dtype=torch.float64, device=device
+        )
+        self._samples: torch.Tensor = torch.zeros_like(self._ids)
+        self._timers: Dict[str, _Timer] = {
+            name: _Timer()
+            for name in ("compute_seconds", "input_dist_seconds", "output_dist_seconds")
+        }
+        self._monitors: List[_ModuleMonitor] = [
+            _ModuleMonitor(path, m, index, self._ids, self._samples, self._timers)
+            for path, m in modules
+        ]
+        self._steps: int = 0
+        self._step_seconds: float = 0.0
+        self._timed_steps: int = 0
+        self._last_step_end: Optional[float] = None
+        self._reshard_bytes: float = 0.0
+        self._reshard_seconds: float = 0.0
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> "LoadMonitor":
+        """
+        A monitor over every module of a ``DistributedModelParallel``'s plan.
+
+        Args:
+            model (DistributedModelParallel): the sharded model.
+
+        Returns:
+            LoadMonitor: hooks registered.
+        """
+        modules = []
+        for path in sorted(model.plan.plan):
+            module = model.module.get_submodule(path) if path else model.module
+            modules.append((path, module))
+        return cls(modules, model.device)
+
+    @property
+    def steps(self) -> int:
+        return self._steps
+
+    def end_step(self) -> None:
+        """Marks the end of a training step on this rank (no collective)."""
+        now = time.perf_counter()
+        if self._last_step_end is not None:  # else the step's start is unknown
+            self._step_seconds += now - self._last_step_end
+            self._timed_steps += 1
+        self._last_step_end = now
+        self._steps += 1
+
+    def start_step(self) -> None:
+        """
+        Marks the start of a step (optional): the step time then runs from
+        here to ``end_step()``, for loops that do other work between steps.
+        """
+        self._last_step_end = time.perf_counter()
+
+    def pause(self) -> None:
+        """Excludes the time until the next step's work from the step times."""
+        self._last_step_end = None
+
+    def record_reshard(self, bytes_moved: int, seconds: float) -> None:
+        """Adds a reshard of this rank (bytes sent + received, its seconds)."""
+        self._reshard_bytes += float(bytes_moved)
+        self._reshard_seconds += seconds
+
+    def local_vector(self, rank: int, world_size: int) -> torch.Tensor:
+        """This rank's counters, packed as ``statistics_from_vector`` reads them."""
+        n = len(self.slots)
+        timed = self._timed_steps
+        mean_step = self._step_seconds / timed if timed > 0 else 0.0
+        values = {
+            "steps": float(self._steps),
+            "compute_seconds": self._timers["compute_seconds"].seconds,
+            "input_dist_seconds": self._timers["input_dist_seconds"].seconds,
+            "output_dist_seconds": self._timers["output_dist_seconds"].seconds,
+            "step_seconds": mean_step * self._steps,
+            "reshard_bytes": self._reshard_bytes,
+            "reshard_seconds": self._reshard_seconds,
+        }
+        per_rank = torch.zeros(
+            len(RANK_FIELDS), world_size, dtype=torch.float64, device=self._ids.device
+        )
+        for i, name in enumerate(RANK_FIELDS):
+            per_rank[i, rank] = values[name]
+        return torch.cat([self._ids[:n], self._samples[:n], per_rank.flatten()])
+
+    def reset(self) -> None:
+        """Starts a new window."""
+        self._ids.zero_()
+        self._samples.zero_()
+        for timer in self._timers.values():
+            timer.seconds = 0.0
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._timed_steps = 0
+        self._reshard_bytes = 0.0
+        self._reshard_seconds = 0.0
+
+    def collect(self, pg: dist.ProcessGroup) -> LoadStatistics:
+        """
+        The window's statistics over every rank: one all-reduce. Every rank of
+        ``pg`` calls it at the same step; the counters start a new window.
+
+        Args:
+            pg (dist.ProcessGroup): the model's process group.
+
+        Returns:
+            LoadStatistics: identical on every rank.
+        """
+        world_size = dist.get_world_size(pg)
+        vector = self.local_vector(dist.get_rank(pg), world_size)
+        dist.all_reduce(vector, group=pg)
+        self.reset()
+        return statistics_from_vector(
+            vector.cpu().tolist(), self.slots, self.module_tables, world_size
+        )
+
+    def remove(self) -> None:
+        """Removes every hook of the monitor."""
+        for monitor in self._monitors:
+            monitor.remove()
+        self._monitors = []

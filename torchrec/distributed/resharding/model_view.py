@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+A ``DistributedModelParallel`` model as the moves between groups of ranks see
+it (``elastic``, ``unshard``): its sharded modules and their tables, its
+dense (replicated) part, its shards as slots, the unsharded definition it was
+built from, and building and releasing a model whose every byte is moved in.
+"""
+
+import contextlib
+import copy
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.resharding.elastic_plan import (
+    DenseSpec,
+    table_key,
+    TableShape,
+)
+from torchrec.distributed.resharding.install import adapter_for
+from torchrec.distributed.resharding.kernel_state import keyed_slots, LocalSlot, SlotKey
+from torchrec.distributed.resharding.plan import ReshardError
+from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.train_pipeline.utils import BaseForward
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+)
+
+
+def sharded_modules(root: nn.Module) -> Dict[str, nn.Module]:
+    """
+    Args:
+        root (nn.Module): a model (``DistributedModelParallel.module``).
+
+    Returns:
+        Dict[str, nn.Module]: its sharded embedding modules by path.
+    """
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    kinds = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+    return {p: m for p, m in root.named_modules() if isinstance(m, kinds)}
+
+
+def plain_tables(module: nn.Module) -> List[TableShape]:
+    """The tables of an unsharded EmbeddingBagCollection / EmbeddingCollection."""
+    configs = (
+        module.embedding_bag_configs()
+        if isinstance(module, EmbeddingBagCollection)
+        else module.embedding_configs()
+    )
+    return [(c.name, c.num_embeddings, c.embedding_dim) for c in configs]
+
+
+def sharded_tables(module: nn.Module) -> List[TableShape]:
+    """The tables of a sharded embedding module."""
+    adapter = adapter_for(module)
+    return [(c.name, *adapter.table_shape(c.name)) for c in adapter.configs()]
+
+
+def plain_twin(module: nn.Module, device: torch.device) -> nn.Module:
+    """An unsharded module of the same tables as a sharded one."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+
+    if isinstance(module, ShardedEmbeddingCollection):
+        return EmbeddingCollection(
+            tables=copy.deepcopy(module._embedding_configs),
+            device=device,
+            need_indices=module._need_indices,
+        )
+    return EmbeddingBagCollection(
+        tables=copy.deepcopy(module._embedding_bag_configs),
+        is_weighted=module._is_weighted,
+        device=device,
+    )
+
+
+def _meta_twin(module: nn.Module) -> nn.Module:
+    """A module of the same tables on the meta device (no weights)."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    meta = torch.device("meta")
+    if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+        return plain_twin(module, meta)
+    if isinstance(module, EmbeddingCollection):
+        return EmbeddingCollection(
+            tables=copy.deepcopy(module.embedding_configs()),
+            device=meta,
+            need_indices=module.need_indices(),
+        )
+    return EmbeddingBagCollection(
+        tables=copy.deepcopy(module.embedding_bag_configs()),
+        is_weighted=module.is_weighted(),
+        device=meta,
+    )
+
+
+def meta_definition(root: nn.Module, paths: Sequence[str]) -> nn.Module:
+    """
+    The definition of a model on the meta device: the embedding modules at
+    ``paths`` (sharded or not) as unsharded ones of the same tables, the rest
+    copied. Building a ``DistributedModelParallel`` from it leaves ``root``
+    untouched (a model is sharded in place of the module it is built from).
+    """
+    embeddings = {path: root.get_submodule(path) for path in paths}
+    parents = {
+        path: (root.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
+        for path in paths
+    }
+    try:
+        for path, (parent, name) in parents.items():
+            setattr(parent, name, nn.Module())  # not copied: swapped back below
+        definition = copy.deepcopy(root).to("meta")
+    finally:
+        for path, (parent, name) in parents.items():
+            setattr(parent, name, embeddings[path])
+    for path, module in embeddings.items():
+        parent_path, _, name = path.rpartition(".")
+        setattr(definition.get_submodule(parent_path), name, _meta_twin(module))
+    return definition
+
+
+def unsharded_definition(model: nn.Module) -> nn.Module:
+    """
+    The definition of a sharded model on the meta device: its sharded modules
+    as unsharded ones of the same tables, the rest copied.
+    """
+    return meta_definition(model.module, list(sharded_modules(model.module)))
+
+
+def is_dense(name: str, sharded_paths: Sequence[str]) -> bool:
+    """Whether a parameter or buffer lies outside the sharded modules."""
+    return not any(name.startswith(p + ".") for p in sharded_paths)
+
+
+def dense_tensors(
+    root: nn.Module, paths: Optional[Sequence[str]] = None
+) -> Dict[str, torch.Tensor]:
+    """
+    Args:
+        root (nn.Module): a model.
+        paths (Optional[Sequence[str]]): the paths of its sharded (or planned)
+            modules (default: its sharded modules).
+
+    Returns:
+        Dict[str, torch.Tensor]: its parameters and buffers outside those
+        modules, by name (sorted): the replicated, dense part.
+    """
+    paths = list(sharded_modules(root)) if paths is None else list(paths)
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in list(root.named_parameters()) + list(root.named_buffers()):
+        if is_dense(name, paths):
+            out[name] = t
+    return dict(sorted(out.items()))
+
+
+def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
+    """This rank's shards of every sharded module, keyed by "path:table"."""
+    out: Dict[SlotKey, LocalSlot] = {}
+    for path, module in sharded_modules(root).items():
+        adapter = adapter_for(module)
+        slots = adapter.local_slots(adapter.lookups())
+        out.update(keyed_slots(slots, lambda t, p=path: table_key(p, t)))
+    return out
+
+
+def plain_weight(module: nn.Module, table: str) -> torch.Tensor:
+    """The weight of a table of an unsharded module."""
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bags[table].weight
+    return module.embeddings[table].weight
+
+
+def table_weights(
+    definition: nn.Module, tables: Mapping[str, Sequence[str]]
+) -> Dict[str, Dict[str, torch.Tensor]]:
+    """The definition's weight of each named table, by module path."""
+    return {
+        path: {t: plain_weight(definition.get_submodule(path), t) for t in names}
+        for path, names in tables.items()
+    }
+
+
+def attached_to_pipeline(module: nn.Module) -> bool:
+    """
+    Whether a train pipeline has replaced the module's forward: its batches in
+    flight ran the input dist over the old group, which a move replaces.
+    """
+    return isinstance(module.__dict__.get("forward"), BaseForward)
+
+
+def defined_tables(
+    definition: nn.Module, plan: ShardingPlan
+) -> Dict[str, List[TableShape]]:
+    """The tables of the modules a plan shards, in an unsharded definition."""
+    if not isinstance(plan, ShardingPlan):
+        raise ReshardError(f"expected a ShardingPlan, got {type(plan).__name__}")
+    out: Dict[str, List[TableShape]] = {}
+    for path in sorted(plan.plan):
+        try:
+            module = definition.get_submodule(path)
+        except AttributeError:
+            raise ReshardError(
+                f"the plan shards module '{path}', which the definition lacks"
+            ) from None
+        if not isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+            raise ReshardError(
+                f"module '{path}' of the definition is a {type(module).__name__}, "
+                "not an EmbeddingBagCollection or EmbeddingCollection"
+            )
+        out[path] = plain_tables(module)
+    return out
+
+
+def broadcast_dense(
+    specs: Sequence[DenseSpec],
+    source: Optional[Mapping[str, torch.Tensor]],
+    target: Optional[Mapping[str, torch.Tensor]],
+    src: int,
+    group: dist.ProcessGroup,
+) -> int:
+    """
+    The dense tensors, from ``source`` on the group's rank ``src`` into
+    ``target`` (ranks of the new group; None elsewhere): one broadcast per
+    dtype of a buffer that packs them.
+
+    Returns:
+        int: bytes broadcast.
+    """
+    total = 0
+    for dtype in sorted({s.dtype for s in specs}, key=str):
+        members = [s for s in specs if s.dtype == dtype]
+        sizes = [s.nbytes // dtype.itemsize for s in members]
+        if source is not None:
+            buffer = torch.cat(
+                [source[s.name].detach().reshape(-1).to("cpu") for s in members]
+            )
+        else:
+            buffer = torch.empty(sum(sizes), dtype=dtype)
+        dist.broadcast(buffer, group_src=src, group=group)
+        total += buffer.numel() * buffer.element_size()
+        if target is not None:
+            with torch.no_grad():
+                for s, piece in zip(members, buffer.split(sizes)):
+                    target[s.name].copy_(piece.view(s.shape))
+    return total
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """A table ``init_fn`` that leaves the weight as it is."""
+
+
+@contextlib.contextmanager
+def _tables_not_initialised(definition: nn.Module) -> Iterator[None]:
+    """
+    While a model is built from ``definition``, its tables' ``init_fn`` do
+    nothing, and are put back afterwards. A sharded module's
+    ``reset_parameters`` (called once it is built) initialises every local
+    shard with them; the kernel build hooks do not reach it, and every byte is
+    moved in afterwards.
+    """
+    configs: List[Any] = []
+    for module in definition.modules():
+        if isinstance(module, EmbeddingBagCollection):
+            configs += module.embedding_bag_configs()
+        elif isinstance(module, EmbeddingCollection):
+            configs += module.embedding_configs()
+    saved = [(config, config.init_fn) for config in configs]
+    try:
+        for config in configs:
+            config.init_fn = _no_init
+        yield
+    finally:
+        for config, init_fn in saved:
+            config.init_fn = init_fn
+
+
+def build_model(
+    definition: nn.Module,
+    env: ShardingEnv,
+    plan: ShardingPlan,
+    sharders: Optional[List[Any]],
+    device: torch.device,
+    hooks: Optional[KeptStorage] = None,
+) -> nn.Module:
+    """
+    A ``DistributedModelParallel`` over ``env`` from an unsharded definition,
+    its tables uninitialised (every byte is moved in), under ``hooks``.
+    """
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    hooks = hooks if hooks is not None else KeptStorage()
+    with kernel_build_hooks(hooks), _tables_not_initialised(definition):
+        return DistributedModelParallel(
+            definition,
+            env=env,
+            device=device,
+            plan=copy.deepcopy(plan),
+            sharders=sharders,
+        )

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+One-process tests of the state model: how each field of a table follows a
+piece's rectangle, what a piece costs on the wire, the canonical order of the
+exchange's collectives, and the union of the ranks' table facts.
+"""
+
+import unittest
+from typing import Dict, List
+
+import torch
+from torchrec.distributed.resharding.fields import (
+    Field,
+    FieldKind,
+    merge_table_facts,
+    piece_cost,
+    TableFacts,
+    wire_groups,
+)
+from torchrec.distributed.resharding.plan import Rect, Transfer
+
+RECT, ROWS, SCALAR = FieldKind.RECT, FieldKind.ROWS, FieldKind.SCALAR
+
+FIELDS: Dict[str, List[Field]] = {
+    "a": [Field("weight", RECT, torch.float32)],
+    "b": [Field("weight", RECT, torch.float16), Field("sum", ROWS, torch.float32)],
+    "c": [Field("weight", RECT, torch.float32), Field("iter", SCALAR, torch.int64)],
+}
+
+
+def _transfer(rows: int, cols: int) -> Transfer:
+    rect = Rect(0, 0, rows, cols)
+    return Transfer("a", 0, 1, rect, rect, rect)
+
+
+class FieldsTest(unittest.TestCase):
+    def test_numel_shape_and_cost(self) -> None:
+        t = _transfer(3, 4)
+        self.assertEqual(Field("w", RECT, torch.float32).numel(t), 12)
+        self.assertEqual(Field("s", ROWS, torch.float32).numel(t), 3)
+        self.assertEqual(Field("c", SCALAR, torch.float32).numel(t), 1)
+        self.assertEqual(Field("s", ROWS, torch.float32).shape(3, 4), (3,))
+        cost = piece_cost(FIELDS["b"] + FIELDS["c"][1:])
+        self.assertEqual((cost.per_element, cost.per_row, cost.per_piece), (2, 4, 8))
+        self.assertEqual(cost.of(t.rect), 12 * 2 + 3 * 4 + 8)
+
+    def test_wire_groups_are_canonical(self) -> None:
+        self.assertEqual(
+            wire_groups(FIELDS),
+            [
+                (torch.float16, "weight"),
+                (torch.float32, "sum"),
+                (torch.float32, "weight"),
+                (torch.int64, "iter"),
+            ],
+        )
+        reordered = dict(reversed(list(FIELDS.items())))
+        self.assertEqual(wire_groups(reordered), wire_groups(FIELDS))
+
+    def test_facts_merge_by_union_lowest_rank_first(self) -> None:
+        weight = Field("weight", RECT, torch.float32)
+        half = Field("weight", RECT, torch.float16)
+        a = TableFacts({"x": (weight,)}, {"x": 0.1}, 3)
+        b = TableFacts({"x": (half,), "y": (half,)}, {"x": 0.2, "y": 0.3}, 5)
+        merged = merge_table_facts([a, b])
+        self.assertEqual(merged.fields, {"x": (weight,), "y": (half,)})
+        self.assertEqual(merged.learning_rates, {"x": 0.1, "y": 0.3})
+        self.assertEqual(merged.optimizer_iter, 5)
+        renamed = merged.renamed({"y": "m:y"})
+        self.assertEqual(renamed.fields, {"m:y": (half,)})
+        self.assertEqual(renamed.fields_of("x"), ())
+
+
+if __name__ == "__main__":
+    unittest.main()

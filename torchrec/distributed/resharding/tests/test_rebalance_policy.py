@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The rebalancing policy (pure): nonsense values are refused with a message
+naming each; the gain bar and the hysteresis; the move must pay over the
+horizon at the measured (or default) bandwidth and fit the budget; a
+reshard blocks evaluation for ``min_interval`` steps and a failure backs off
+exponentially.
+"""
+
+import unittest
+
+from torchrec.distributed.resharding.policy import (
+    after_failure,
+    after_reshard,
+    blocked_reason,
+    DEFAULT_BANDWIDTH,
+    judge_move,
+    PolicyState,
+    RebalancePolicy,
+    screen,
+    with_bandwidth,
+)
+
+
+class RebalancePolicyTest(unittest.TestCase):
+    def test_nonsense_values_are_refused(self) -> None:
+        cases = {
+            "window": dict(window=-1),
+            "min_gain": dict(min_gain=1.5),
+            "hysteresis": dict(hysteresis=0),
+            "min_interval": dict(min_interval=-5),
+            "move_budget_bytes": dict(move_budget_bytes=0),
+            "horizon": dict(horizon=0),
+            "default_bandwidth": dict(default_bandwidth=0.0),
+            "backoff": dict(backoff=0),
+        }
+        for name, kwargs in cases.items():
+            with self.assertRaisesRegex(ValueError, f"bad RebalancePolicy: {name}"):
+                RebalancePolicy(**kwargs)  # pyre-ignore[6]
+        with self.assertRaisesRegex(ValueError, "window.*; horizon"):
+            RebalancePolicy(window=0, horizon=-1)
+
+    def test_gain_bar_and_hysteresis(self) -> None:
+        policy = RebalancePolicy(min_gain=0.2, hysteresis=2)
+        state = PolicyState()
+        reason, state = screen(policy, state, 0.1)
+        self.assertIn("below min_gain", reason or "")
+        self.assertEqual(state.streak, 0)
+        reason, state = screen(policy, state, 0.3)
+        self.assertIn("1 of 2 windows", reason or "")
+        reason, state = screen(policy, state, 0.3)
+        self.assertIsNone(reason)
+        self.assertEqual(state.streak, 2)
+        # one window under the bar starts the streak again
+        _, state = screen(policy, state, 0.0)
+        reason, state = screen(policy, state, 0.3)
+        self.assertIsNotNone(reason)
+
+    def test_move_must_pay_over_the_horizon(self) -> None:
+        policy = RebalancePolicy(horizon=100)
+        state = PolicyState()
+        mib = 2**20
+        # 50 MiB at the default 50 MiB/s: 1 s; saving 5 ms/step x 100 = 0.5 s
+        reason, cost = judge_move(policy, state, 0.005, 50 * mib)
+        self.assertAlmostEqual(cost, 50 * mib / DEFAULT_BANDWIDTH)
+        self.assertIn("does not exceed", reason or "")
+        # measured 500 MiB/s: 0.1 s, pays
+        fast = with_bandwidth(state, 500 * mib, 1.0)
+        reason, cost = judge_move(policy, fast, 0.005, 50 * mib)
+        self.assertIsNone(reason)
+        self.assertAlmostEqual(cost, 0.1)
+        # a reshard that moved nothing measures nothing
+        self.assertIsNone(with_bandwidth(state, 0, 1.0).bandwidth)
+
+    def test_budget(self) -> None:
+        policy = RebalancePolicy(move_budget_bytes=1000, horizon=10**9)
+        reason, _ = judge_move(policy, PolicyState(), 1.0, 1001)
+        self.assertIn("over the budget of 1000 B", reason or "")
+        reason, _ = judge_move(policy, PolicyState(), 1.0, 1000)
+        self.assertIsNone(reason)
+
+    def test_interval_and_backoff(self) -> None:
+        policy = RebalancePolicy(window=10, min_interval=50, backoff=2)
+        state = after_reshard(policy, PolicyState(streak=3), step=100)
+        self.assertEqual((state.streak, state.last_reshard_step), (0, 100))
+        self.assertIn("min_interval", blocked_reason(policy, state, 149) or "")
+        self.assertIsNone(blocked_reason(policy, state, 150))
+        state = after_failure(policy, state, step=200)
+        self.assertEqual(state.blocked_until, 200 + 50 * 2)
+        self.assertIn("backing off", blocked_reason(policy, state, 250) or "")
+        state = after_failure(policy, state, step=300)
+        self.assertEqual(state.blocked_until, 300 + 50 * 4)
+        state = after_reshard(policy, state, step=600)
+        self.assertEqual(state.failures, 0)
+
+
+if __name__ == "__main__":
+    unittest.main()
