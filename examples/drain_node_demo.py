@@ -24,7 +24,7 @@ happens:
 4. host 0 trains on, on its own ranks, exactly like a model built directly
    there from the state before the drain, and reshards within host 0.
 
-The scenario is ``torchrec.distributed.tests.elastic_drain_worker`` (the one
+The scenario is ``torchrec.distributed.test_utils.elastic_drain_worker`` (the one
 ``test_elastic_two_nodes`` runs). Run it with ``bash scripts/drain_demo.sh``
 (which sets up ``.venv``) or ``python examples/drain_node_demo.py``.
 
@@ -38,7 +38,7 @@ import sys
 import tempfile
 from typing import List, Optional, Sequence
 
-from torchrec.distributed.tests import elastic_drain_worker as scenario
+from torchrec.distributed.test_utils import elastic_drain_worker as scenario
 
 
 def _worker(argv: Sequence[str]) -> int:

@@ -24,6 +24,13 @@ it runs as torchrun's ranks::
     python examples/live_reshard_demo.py
     torchrun --standalone --nproc-per-node 2 examples/live_reshard_demo.py
 
+With ``--rebalance`` nobody types the shift in: the batches after step
+``--steps-before`` simply carry the new load, a ``Rebalancer`` measures it,
+asks the planner of plan A for a plan under the measured load, relabels it to
+keep the most bytes in place and reshards when the policy says it pays; a
+second model then applies the same plans by hand at the same steps, and the
+losses and final state must be equal, bit for bit.
+
 Exit status (of every rank): 0 exact, 1 a difference, 2 any other failure.
 """
 
@@ -49,7 +56,13 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
-from torchrec.distributed.resharding import dry_run, ModelReshardReport, ReshardOptions
+from torchrec.distributed.resharding import (
+    dry_run,
+    ModelReshardReport,
+    RebalancePolicy,
+    Rebalancer,
+    ReshardOptions,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -91,6 +104,11 @@ def parse_args() -> argparse.Namespace:
     for flag, default, text in INT_OPTIONS:
         p.add_argument(flag, type=int, default=default, help=f"{text} ({default})")
     p.add_argument("--progress", action="store_true", help="reshard progress bar")
+    p.add_argument(
+        "--rebalance",
+        action="store_true",
+        help="measure the shift and let a Rebalancer reshard (window 2 steps)",
+    )
     p.add_argument("--verbose", action="store_true", help="show library warnings")
     p.add_argument(
         "--perturb-reference",
@@ -134,13 +152,32 @@ def build_dlrm(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
     )
 
 
+def shifted_ids(args: argparse.Namespace) -> Dict[str, float]:
+    """Mean ids per sample after the shift: t0 20, t1 8, the last table 30."""
+    ids = {f"t{i}": 2.0 for i in range(args.num_tables)}
+    ids.update(t0=20.0, t1=8.0)
+    ids[f"t{args.num_tables - 1}"] = 30.0
+    return ids
+
+
 def make_batches(args: argparse.Namespace, rank: int) -> List[Batch]:
-    """Each rank's own synthetic batches; the label depends on the dense input."""
+    """
+    Each rank's own synthetic batches; the label depends on the dense input.
+    With ``--rebalance`` the batches after the shift carry the shifted load.
+    """
     gen = torch.Generator().manual_seed(1000 + rank)
     n, b = args.num_tables, args.batch_size
     batches = []
-    for _ in range(args.steps_before + args.steps_after):
-        lengths = torch.randint(0, 4, (n * b,), generator=gen)
+    for step in range(args.steps_before + args.steps_after):
+        if args.rebalance and step >= args.steps_before:
+            lengths = torch.cat(
+                [
+                    torch.randint(0, int(2 * ids) + 1, (b,), generator=gen)
+                    for ids in shifted_ids(args).values()
+                ]
+            )
+        else:
+            lengths = torch.randint(0, 4, (n * b,), generator=gen)
         values = torch.randint(0, args.rows, (int(lengths.sum()),), generator=gen)
         dense = torch.randn(b, DENSE_IN, generator=gen)
         sparse = KeyedJaggedTensor.from_lengths_sync(
@@ -159,11 +196,20 @@ def make_plan(
     ids) and t1 (8 ids) are hot and must spread over column shards, and the
     last table's traffic grew to 30 ids.
     """
+    return make_planner(args, shifted).collective_plan(
+        build_dlrm(args, torch.device("meta")), [sharder], dist.group.WORLD
+    )
+
+
+def make_planner(args: argparse.Namespace, shifted: bool) -> EmbeddingShardingPlanner:
+    """The planner for the declared load (see ``make_plan``)."""
     load = {f"t{i}": ("table_wise", 2.0) for i in range(args.num_tables)}
     if shifted:
-        load.update(t0=("column_wise", 20.0), t1=("table_column_wise", 8.0))
-        load[f"t{args.num_tables - 1}"] = ("table_wise", 30.0)
-    planner = EmbeddingShardingPlanner(
+        ids = shifted_ids(args)
+        load.update(t0=("column_wise", ids["t0"]), t1=("table_column_wise", ids["t1"]))
+        last = f"t{args.num_tables - 1}"
+        load[last] = ("table_wise", ids[last])
+    return EmbeddingShardingPlanner(
         topology=Topology(
             world_size=dist.get_world_size(),
             compute_device="cuda" if args.backend == "nccl" else "cpu",
@@ -179,9 +225,8 @@ def make_plan(
             )
             for table, (kind, ids) in load.items()
         },
-    )
-    return planner.collective_plan(
-        build_dlrm(args, torch.device("meta")), [sharder], dist.group.WORLD
+        stats=[],
+        debug=False,
     )
 
 
@@ -321,8 +366,7 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
 
     # Full weights and fused optimizer state, for the reference, right before.
     weights = global_weights(model, dist.group.WORLD)
-    shapes = {key: (w.shape[0], w.shape[-1]) for key, w in weights.items()}
-    state = weights, global_optimizer_state(model, dist.group.WORLD, shapes)
+    state = weights, global_optimizer_state(model, dist.group.WORLD)
     options = ReshardOptions(
         exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
     )
@@ -346,6 +390,76 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
     return 0 if exact else 1
 
 
+def rebalance_demo(args: argparse.Namespace, device: torch.device) -> int:
+    """``--rebalance``: the shift is measured and the Rebalancer reshards."""
+    say(
+        f"phase 0/4 setup: {dist.get_world_size()} ranks ({args.backend}), DLRM "
+        f"with {args.num_tables} tables x {args.rows} rows x dim {args.dim}; the "
+        f"load shifts after step {args.steps_before} (nobody tells the job)"
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": OPTIMIZERS[args.optimizer], "learning_rate": 0.05}
+    )
+    batches = make_batches(args, dist.get_rank())
+    planner = make_planner(args, shifted=False)
+    plan_a = planner.collective_plan(
+        build_dlrm(args, torch.device("meta")), [sharder], dist.group.WORLD
+    )
+    say("phase 1/4 plan A from the planner:\n" + describe(plan_a))
+    model, optimizer = build_model(args, sharder, plan_a, device)
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    options = ReshardOptions(
+        exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
+    )
+    policy = RebalancePolicy(
+        window=2, min_gain=0.1, hysteresis=1, min_interval=2, horizon=10**4
+    )
+    rebalancer = Rebalancer(model, planner, policy, options=options)
+    say(f"phase 2/4 train with the Rebalancer ({policy})")
+    stream = iter(batches)
+    live = []
+    for step in range(1, len(batches) + 1):
+        live.append(pipeline.progress(stream)[0].detach())
+        decision = rebalancer.step()
+        say(f"    step {step}  loss (rank 0) {live[-1].item():.6f}")
+        if decision is not None:
+            say(f"    decision: {decision.line()}")
+            if decision.action == "reshard":
+                say("    new plan:\n" + describe(model.plan))
+    rebalancer.close()
+    reshards = {d.step: d.plan for d in rebalancer.history if d.action == "reshard"}
+    if not reshards:
+        say("the Rebalancer did not reshard: give it more --steps-after")
+        return 1
+    say(
+        "phase 3/4 a second model applies the same plans by hand at steps "
+        f"{sorted(reshards)}"
+    )
+    replay, replay_optimizer = build_model(args, sharder, plan_a, device)
+    replay_pipeline = TrainPipelineSparseDist(replay, replay_optimizer, device)
+    stream = iter(batches)
+    exact = True
+    for step in range(1, len(batches) + 1):
+        loss = replay_pipeline.progress(stream)[0].detach()
+        exact = everywhere(torch.equal(loss, live[step - 1]), device) and exact
+        if step in reshards:
+            replay.reshard(reshards[step], options)
+    try:
+        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
+        assert_optimizer_states_equal(model, replay)
+        same = True
+    except AssertionError as e:
+        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
+        same = False
+    exact = everywhere(same, device) and exact
+    say(
+        "phase 4/4 the rebalanced run equals the plans applied by hand (losses, "
+        f"weights, optimizer state): {'YES' if exact else 'NO'}"
+    )
+    dist.barrier()
+    return 0 if exact else 1
+
+
 def run_rank(args: argparse.Namespace) -> int:
     """Joins the process group and runs the demo; exit status 2 on a failure."""
     torch.set_num_threads(1)
@@ -359,7 +473,7 @@ def run_rank(args: argparse.Namespace) -> int:
             backend = "cpu:gloo,cuda:nccl"
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
-        return demo(args, device)
+        return rebalance_demo(args, device) if args.rebalance else demo(args, device)
     except Exception:
         traceback.print_exc()
         return 2

@@ -57,6 +57,32 @@ def test_demo_four_ranks_is_exact() -> None:
     assert "training continues exactly as the reference: YES" in proc.stdout, out
 
 
+def test_demo_rebalance_is_exact() -> None:
+    """--rebalance: the load shift is only in the batches; the Rebalancer
+    measures it, reshards, and the run equals the same plans applied by hand."""
+    proc = run_demo(
+        "--rows",
+        "64",
+        "--dim",
+        "8",
+        "--batch-size",
+        "8",
+        "--steps-before",
+        "4",
+        "--steps-after",
+        "6",
+        "--rebalance",
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "RESHARD (" in proc.stdout, out
+    assert "applies the same plans by hand at steps" in proc.stdout, out
+    assert (
+        "equals the plans applied by hand (losses, weights, optimizer state): YES"
+        in (proc.stdout)
+    ), (out)
+
+
 def test_demo_detects_a_difference() -> None:
     """A reference one ulp away is reported as NO with exit status 1."""
     proc = run_demo(*SMALL, "--perturb-reference")

@@ -46,7 +46,7 @@ job can never hang.
 
 Run as a worker under torchrun::
 
-    python -m torchrec.distributed.tests.elastic_drain_worker --result-dir DIR
+    python -m torchrec.distributed.test_utils.elastic_drain_worker --result-dir DIR
 """
 
 import argparse
@@ -94,7 +94,7 @@ from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-WORKER_MODULE = "torchrec.distributed.tests.elastic_drain_worker"
+WORKER_MODULE = "torchrec.distributed.test_utils.elastic_drain_worker"
 NODES = 2
 LOCAL_SIZE = 2
 WORLD = NODES * LOCAL_SIZE
@@ -261,14 +261,6 @@ def train_step(model: nn.Module, optimizer: Any, step: int, index: int) -> torch
     return loss.detach()
 
 
-def _shapes(model: nn.Module) -> Dict[str, Tuple[int, int]]:
-    return {
-        key: tuple(value.size())
-        for key, value in model.state_dict().items()
-        if key.startswith("sparse.") and value.dim() == 2
-    }
-
-
 # A model's whole state: weights, fused optimizer state, dense optimizer state.
 GlobalState = Tuple[
     Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor], Dict[str, Any]
@@ -280,7 +272,7 @@ def global_state(
 ) -> GlobalState:
     """Gathered over ``pg`` with plain collectives (not the resharding code)."""
     weights = global_weights(model, pg)
-    fused = global_optimizer_state(model, pg, _shapes(model))
+    fused = global_optimizer_state(model, pg)
     return weights, fused, optimizer.state_dict()
 
 

@@ -30,7 +30,7 @@ from typing import (
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from hypothesis import HealthCheck, settings, Verbosity
+from hypothesis import HealthCheck, Phase, settings, Verbosity
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
@@ -71,6 +71,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 #   ("table_row_wise", host) ("grid_shard", [hosts]) ("data_parallel", None)
 #   ("table_column_wise", [ranks]) and ("custom", (type, [(row, col, rows, cols, rank)]))
 TableSpec = Tuple[str, Any]
+
+FUSED: str = EmbeddingComputeKernel.FUSED.value
+DENSE: str = EmbeddingComputeKernel.DENSE.value
 
 OPTIMIZERS: Dict[str, EmbOptimType] = {
     "sgd": EmbOptimType.EXACT_SGD,
@@ -289,26 +292,31 @@ def _optimizer_shard_pairs(
 def global_optimizer_state(
     module: ShardedEmbeddingBagCollection,
     pg: dist.ProcessGroup,
-    shapes: Mapping[str, Tuple[int, int]],
 ) -> Dict[Tuple[str, str], torch.Tensor]:
     """
     Fused optimizer state as full (rows, cols) float64 tensors: element-wise
-    state in place, row-wise state expanded over its shard's columns.
+    state in place, row-wise state expanded over its shard's columns. The
+    tables' shapes come from their ShardedTensors' global sizes.
 
     Args:
-        module (ShardedEmbeddingBagCollection): the module.
+        module (ShardedEmbeddingBagCollection): the module (or a
+            ``DistributedModelParallel``: anything with a ``fused_optimizer``).
         pg (dist.ProcessGroup): its process group.
-        shapes (Mapping[str, Tuple[int, int]]): param key -> table shape.
 
     Returns:
         Dict[Tuple[str, str], torch.Tensor]: (param key, state key) -> full state.
     """
-    keys = sorted({(k, s) for k, s, _, _ in _optimizer_shard_pairs(module)})
+    shapes = {
+        key: tuple(weight.size())
+        for key, weight in module.fused_optimizer.params.items()
+        if isinstance(weight, ShardedTensor)
+    }
+    keys = sorted({(k, s, shapes[k]) for k, s, _, _ in _optimizer_shard_pairs(module)})
     # Ranks without a shard of a table still join its all-reduce.
     gathered: List[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(gathered, keys, group=pg)
     all_keys = sorted({k for rank_keys in gathered for k in rank_keys})
-    out = {k: torch.zeros(shapes[k[0]], dtype=torch.float64) for k in all_keys}
+    out = {(k, s): torch.zeros(shape, dtype=torch.float64) for k, s, shape in all_keys}
     for key, state_key, (row, col, rows, cols), tensor in _optimizer_shard_pairs(
         module
     ):
@@ -317,7 +325,7 @@ def global_optimizer_state(
             target.copy_(tensor.reshape(rows, cols))
         elif tensor.numel() == rows:
             target.copy_(tensor.reshape(rows, 1).expand(rows, cols))
-    for key in all_keys:
+    for key in sorted(out):
         dist.all_reduce(out[key], group=pg)
     return out
 
@@ -450,15 +458,102 @@ def assert_same_training(
     assert_optimizer_states_equal(m1, m2)
 
 
+def assert_reshard_matches_direct(
+    rank: int,
+    world_size: int,
+    port: str,
+    plans: List[Dict[str, TableSpec]],
+    data_type: DataType = DataType.FP32,
+    kernel: str = FUSED,
+    optimizer: Optional[str] = "rowwise_adagrad",
+    steps_before: int = 2,
+    local_size: Optional[int] = None,
+    dims: Optional[Sequence[int]] = None,
+    output_dtensor: bool = False,
+    run_forward: bool = True,
+    train_each_step: bool = False,
+) -> None:
+    """
+    The scenario of the differential tests, run by every rank of a
+    ``ReshardTestBase`` test: shards an EmbeddingBagCollection under
+    ``plans[0]``, trains ``steps_before`` steps, reshards through ``plans[1:]``
+    in order with the sharder's seed API, and after each step compares the
+    module, bit for bit, with one sharded directly under the new plan and
+    loaded with the global state gathered just before (state dict, fused
+    optimizer state, plan); finally both train on and must stay identical.
+
+    Args:
+        rank (int): this rank.
+        world_size (int): the world size.
+        port (str): the rendezvous port.
+        plans (List[Dict[str, TableSpec]]): the chain of plans, first the start.
+        data_type (DataType): the tables' data type.
+        kernel (str): the compute kernel (fused or dense).
+        optimizer (Optional[str]): the fused optimizer.
+        steps_before (int): training steps before the first reshard.
+        local_size (Optional[int]): ranks per host (default: all).
+        dims (Optional[Sequence[int]]): the tables' dims.
+        output_dtensor (bool): the environment's output_dtensor.
+        run_forward (bool): False for kernels that cannot run on this
+            backend: only the state is compared.
+        train_each_step (bool): follow every step of the chain by a compared
+            training step.
+
+    Returns:
+        None
+    """
+    with process_group(rank, world_size, port, local_size) as (pg, device):
+        num_tables = len(plans[0])
+        ebc = make_ebc(num_tables, data_type, dims=dims)
+        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
+        sharder = make_sharder(optimizer if kernel == FUSED else None)
+        env = ShardingEnv(world_size, rank, pg, output_dtensor=output_dtensor)
+        module_plans = [
+            make_plan(ebc, p, world_size, local_size or world_size, kernel, device.type)
+            for p in plans
+        ]
+        batches = make_batches(num_tables, rows, steps_before + 2, 4, seed=1)
+
+        m2 = shard(ebc, sharder, module_plans[0], env, device)
+        before = torch.optim.SGD(m2.parameters(), lr=0.05) if kernel == DENSE else None
+        for batch in batches[:steps_before]:
+            train_step(m2, batch.to(device), before)
+
+        # Each step of a chain is checked against the state just before it:
+        # row-wise optimizer state of joined columns is averaged, so a chain
+        # that joins and splits columns again is not expected to round-trip.
+        for old, new in zip(module_plans, module_plans[1:]):
+            weights = global_weights(m2, pg)
+            opt_state = global_optimizer_state(m2, pg)
+            result = sharder.reshard(m2, delta(old, new), env, device)
+            assert result is m2
+
+            m1 = shard(ebc, sharder, new, env, device)
+            load_global_state(m1, weights, opt_state)
+            assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
+            assert_optimizer_states_equal(m1, m2)
+            assert m1.module_sharding_plan == m2.module_sharding_plan
+            if train_each_step and run_forward:
+                assert_same_training(m1, m2, batches[-1:], kernel, device)
+
+        if run_forward:
+            assert_same_training(m1, m2, batches[steps_before:], kernel, device)
+
+
 class ReshardTestBase(MultiRankTestBase):
     """The base of the multi-process resharding tests (see MultiRankTestBase)."""
 
 
 def multi_process_settings(max_examples: int) -> Callable[[Any], Any]:
-    """Hypothesis settings for tests whose examples each spawn ranks."""
+    """
+    Hypothesis settings for tests whose examples each spawn ranks: no
+    shrinking (a failing example is reported as found: shrinking one that
+    spawns processes takes many minutes and hides the failure behind it).
+    """
     return settings(
         verbosity=Verbosity.verbose,
         max_examples=max_examples,
         deadline=None,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate],
         suppress_health_check=[HealthCheck.function_scoped_fixture],
     )

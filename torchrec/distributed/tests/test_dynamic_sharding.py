@@ -20,100 +20,21 @@ under test. Gloo on CPU here; NCCL when there are enough GPUs.
 """
 
 import unittest
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, List
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_optimizer_states_equal,
-    assert_same_training,
-    assert_state_dicts_equal,
-    delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
+    assert_reshard_matches_direct,
     multi_process_settings,
-    process_group,
     ReshardTestBase,
-    shard,
-    TableSpec,
-    train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import DataType
 
 FUSED = EmbeddingComputeKernel.FUSED.value
 DENSE = EmbeddingComputeKernel.DENSE.value
-
-
-def _run_reshard_case(
-    rank: int,
-    world_size: int,
-    port: str,
-    plans: List[Dict[str, TableSpec]],
-    data_type: DataType = DataType.FP32,
-    kernel: str = FUSED,
-    optimizer: Optional[str] = "rowwise_adagrad",
-    steps_before: int = 2,
-    local_size: Optional[int] = None,
-    dims: Optional[Sequence[int]] = None,
-    output_dtensor: bool = False,
-    run_forward: bool = True,
-    train_each_step: bool = False,
-) -> None:
-    """
-    Shards under ``plans[0]``, trains ``steps_before`` steps, reshards through
-    ``plans[1:]`` in order, and checks the result against a module sharded
-    directly with ``plans[-1]``. With ``run_forward=False`` (kernels that cannot
-    run on this backend) only the state is compared; with ``train_each_step``
-    every step of the chain is also followed by a compared training step.
-    """
-    with process_group(rank, world_size, port, local_size) as (pg, device):
-        num_tables = len(plans[0])
-        ebc = make_ebc(num_tables, data_type, dims=dims)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        shapes = {
-            f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ebc.embedding_bag_configs()
-        }
-        sharder = make_sharder(optimizer if kernel == FUSED else None)
-        env = ShardingEnv(world_size, rank, pg, output_dtensor=output_dtensor)
-        module_plans = [
-            make_plan(ebc, p, world_size, local_size or world_size, kernel, device.type)
-            for p in plans
-        ]
-        batches = make_batches(num_tables, rows, steps_before + 2, 4, seed=1)
-
-        m2 = shard(ebc, sharder, module_plans[0], env, device)
-        before = torch.optim.SGD(m2.parameters(), lr=0.05) if kernel == DENSE else None
-        for batch in batches[:steps_before]:
-            train_step(m2, batch.to(device), before)
-
-        # Each step of a chain is checked against the state just before it:
-        # row-wise optimizer state of joined columns is averaged, so a chain
-        # that joins and splits columns again is not expected to round-trip.
-        for old, new in zip(module_plans, module_plans[1:]):
-            weights = global_weights(m2, pg)
-            opt_state = global_optimizer_state(m2, pg, shapes)
-            result = sharder.reshard(m2, delta(old, new), env, device)
-            assert result is m2
-
-            m1 = shard(ebc, sharder, new, env, device)
-            load_global_state(m1, weights, opt_state)
-            assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
-            assert_optimizer_states_equal(m1, m2)
-            assert m1.module_sharding_plan == m2.module_sharding_plan
-            if train_each_step and run_forward:
-                assert_same_training(m1, m2, batches[-1:], kernel, device)
-
-        if run_forward:
-            assert_same_training(m1, m2, batches[steps_before:], kernel, device)
 
 
 def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]:
@@ -123,7 +44,7 @@ def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]
 class DynamicShardingTest(ReshardTestBase):
     def _run(self, world_size: int, **kwargs: Any) -> None:
         self.run_ranks(
-            _run_reshard_case,
+            assert_reshard_matches_direct,
             world_size,
             **kwargs,
         )

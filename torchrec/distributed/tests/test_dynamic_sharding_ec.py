@@ -103,10 +103,6 @@ def _run_ec_reshard_case(
         num_tables = len(plans[0])
         ec = make_ec(num_tables, data_type, dim=DIM)
         rows = [c.num_embeddings for c in ec.embedding_configs()]
-        shapes = {
-            f"embeddings.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ec.embedding_configs()
-        }
         sharder = make_ec_sharder(
             optimizer if kernel == FUSED else None,
             output_dtensor=output_dtensor == "fused_param",
@@ -127,7 +123,7 @@ def _run_ec_reshard_case(
 
         for old, new in zip(module_plans, module_plans[1:]):
             weights = global_weights(m2, pg)
-            opt_state = global_optimizer_state(m2, pg, shapes)
+            opt_state = global_optimizer_state(m2, pg)
             result = sharder.reshard(m2, delta(old, new), env, device)
             assert result is m2
 

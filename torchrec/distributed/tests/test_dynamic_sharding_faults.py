@@ -24,12 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding import (
+    kernel_state,
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
-    transaction,
+    runner,
 )
-from torchrec.distributed.resharding.exchange import Field
+from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.kernel_state import LocalSlot, read_piece
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.test_utils.reshard_utils import (
@@ -98,7 +99,7 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         faulty = _faulty_read_piece(fault) if rank == 1 else read_piece
         outcome = "no error"
         try:
-            with mock.patch.object(transaction, "read_piece", faulty):
+            with mock.patch.object(kernel_state, "read_piece", faulty):
                 reshard_module(
                     module,
                     delta(plan_a, plan_b),
@@ -149,14 +150,14 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
         plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
         module = shard(ebc, sharder, plan_a, env, device)
         opened: List[str] = []
-        open_group = transaction.open_exchange_group
+        open_group = runner.open_exchange_group
 
         def recording(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
             group = open_group(*args, **kwargs)
             opened.append(c10d._get_process_group_name(group))
             return group
 
-        with mock.patch.object(transaction, "open_exchange_group", recording):
+        with mock.patch.object(runner, "open_exchange_group", recording):
             for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):
                 reshard_module(module, delta(old, new), env, device)
                 assert _exchange_groups() == [], _exchange_groups()

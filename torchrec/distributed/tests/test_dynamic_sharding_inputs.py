@@ -148,13 +148,12 @@ def _run_ebc_inputs(rank: int, world_size: int, port: str, weighted: bool) -> No
             make_plan(ebc, spec, world_size, world_size, "fused")
             for spec in [EBC_PLAN_A] + EBC_PLANS_B
         ]
-        shapes = _shapes("embedding_bags", [t[0] for t in EBC_TABLES])
         module = shard(ebc, sharder, plans[0], env, device)
         seed = 10 * rank
         train_step(module, _batch(KEYS, 4, seed, weighted))
         for new_plan, batch_size in zip(plans[1:], (7, 3)):
             weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg, shapes)
+            opt_state = global_optimizer_state(module, pg)
             old_plan = dict(module.module_sharding_plan)
             module.update_shards(delta(old_plan, new_plan), env, device)
             reference = shard(ebc, sharder, new_plan, env, device)
@@ -178,13 +177,12 @@ def _run_ec_inputs(rank: int, world_size: int, port: str) -> None:
             make_plan(ec, spec, world_size, world_size, "fused")  # pyre-ignore[6]
             for spec in [EC_PLAN_A] + EC_PLANS_B
         ]
-        shapes = _shapes("embeddings", [t[0] for t in EC_TABLES])
         module = shard(ec, sharder, plans[0], env, device)  # pyre-ignore[6]
         seed = 10 * rank
         ec_train_step(module, _batch(EC_KEYS, 4, seed, False))
         for new_plan, batch_size in zip(plans[1:], (7, 3)):
             weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg, shapes)
+            opt_state = global_optimizer_state(module, pg)
             old_plan = dict(module.module_sharding_plan)
             module.update_shards(delta(old_plan, new_plan), env, device)
             reference = shard(ec, sharder, new_plan, env, device)  # pyre-ignore[6]

@@ -76,10 +76,6 @@ def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
         env = ShardingEnv.from_process_group(pg)
         ebc = make_ebc(len(PLAN_A))
         rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        shapes = {
-            f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ebc.embedding_bag_configs()
-        }
         sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)
         plan_a = make_plan(ebc, PLAN_A, world_size, world_size, kernel, device.type)
         plan_b = make_plan(ebc, PLAN_B, world_size, world_size, kernel, device.type)
@@ -92,7 +88,7 @@ def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
         for batch in batches[:2]:
             train_step(module, batch.to(device), dense)
         weights = global_weights(module, pg)
-        optimizer_state = global_optimizer_state(module, pg, shapes)
+        optimizer_state = global_optimizer_state(module, pg)
         combined = module.fused_optimizer
 
         adapter = EmbeddingBagCollectionAdapter(module)

@@ -16,128 +16,34 @@ way. The dry run's byte counts must equal what the exchange really moved.
 """
 
 import unittest
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import hypothesis.strategies as st
 import torch
 import torch.distributed as dist
 from hypothesis import given
-from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import dry_run, plan_delta, ReshardOptions
-from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.distributed.test_utils.reshard_dmp_utils import (
+    sparse_arch,
+    sparse_arch_batches,
+    sparse_arch_plan,
+    sparse_arch_step,
+)
+from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     global_optimizer_state,
     global_weights,
     load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
     make_sharder,
     multi_process_settings,
     process_group,
     ReshardTestBase,
     TableSpec,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-)
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-MODULES = ("sparse_a", "sparse_b", "seq")
-
-
-class _SparseArch(nn.Module):
-    """Two EBCs (pooled) and an EC (sequence), outputs flattened together."""
-
-    def __init__(
-        self,
-        sparse_a: EmbeddingBagCollection,
-        sparse_b: EmbeddingBagCollection,
-        seq: EmbeddingCollection,
-    ) -> None:
-        super().__init__()
-        self.sparse_a = sparse_a
-        self.sparse_b = sparse_b
-        self.seq = seq
-
-    def forward(self, features: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
-        # Pooled embeddings are read by key, as in DLRM: the key order of a
-        # sharded EBC's KeyedTensor depends on the plan and kernel grouping.
-        pooled_a = self.sparse_a(features[0]).to_dict()
-        pooled_b = self.sparse_b(features[1]).to_dict()
-        sequences = self.seq(features[2])
-        return torch.cat(
-            [pooled_a[k].flatten() for k in sorted(pooled_a)]
-            + [pooled_b[k].flatten() for k in sorted(pooled_b)]
-            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
-        )
-
-
-def _model() -> _SparseArch:
-    return _SparseArch(make_ebc(3, seed=1), make_ebc(2, seed=2), make_ec(2, seed=3))
-
-
-def _configs(model: _SparseArch, name: str) -> List[Any]:
-    module = getattr(model, name)
-    if isinstance(module, EmbeddingCollection):
-        return module.embedding_configs()
-    return module.embedding_bag_configs()
-
-
-def _prefix(model: _SparseArch, name: str) -> str:
-    module = getattr(model, name)
-    return "embeddings" if isinstance(module, EmbeddingCollection) else "embedding_bags"
-
-
-def _sharding_plan(
-    model: _SparseArch, specs: Dict[str, Dict[str, TableSpec]], world_size: int
-) -> ShardingPlan:
-    return ShardingPlan(
-        {
-            name: make_plan(
-                getattr(model, name), specs[name], world_size, world_size, "fused"
-            )
-            for name in MODULES
-        }
-    )
-
-
-def _shapes(model: _SparseArch) -> Dict[str, Tuple[int, int]]:
-    return {
-        f"{name}.{_prefix(model, name)}.{c.name}.weight": (
-            c.num_embeddings,
-            c.embedding_dim,
-        )
-        for name in MODULES
-        for c in _configs(model, name)
-    }
-
-
-def _batches(model: _SparseArch, count: int) -> List[Tuple[KeyedJaggedTensor, ...]]:
-    per_module = [
-        make_batches(
-            len(_configs(model, name)),
-            [c.num_embeddings for c in _configs(model, name)],
-            count,
-            4,
-            seed=7 + i,
-        )
-        for i, name in enumerate(MODULES)
-    ]
-    return list(zip(*per_module))
-
-
-def _step(
-    model: DistributedModelParallel, batch: Tuple[KeyedJaggedTensor, ...]
-) -> torch.Tensor:
-    out = model(batch)
-    (out**2).sum().backward()
-    return out.detach()
+from torchrec.distributed.types import ShardingEnv
 
 
 def _run_model_reshard(
@@ -152,21 +58,21 @@ def _run_model_reshard(
     with process_group(rank, world_size, port) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
         sharders = [make_sharder(optimizer), make_ec_sharder(optimizer)]
-        unsharded = _model()
-        plans = [_sharding_plan(unsharded, specs, world_size) for specs in plan_specs]
-        batches = _batches(unsharded, steps_before + steps_after)
+        unsharded = sparse_arch()
+        plans = [sparse_arch_plan(unsharded, specs, world_size) for specs in plan_specs]
+        batches = sparse_arch_batches(unsharded, steps_before + steps_after)
 
         model = DistributedModelParallel(
-            _model(), env=env, device=device, plan=plans[0], sharders=sharders
+            sparse_arch(), env=env, device=device, plan=plans[0], sharders=sharders
         )
         model.load_state_dict(unsharded.state_dict())
         fused_before = model.fused_optimizer
         for batch in batches[:steps_before]:
-            _step(model, batch)
+            sparse_arch_step(model, batch)
 
         for new_plan in plans[1:]:
             weights = global_weights(model, pg)
-            opt_state = global_optimizer_state(model, pg, _shapes(unsharded))
+            opt_state = global_optimizer_state(model, pg)
             expected = dry_run(model, new_plan)
             assert expected.deltas == plan_delta(model.plan, new_plan)
 
@@ -187,7 +93,7 @@ def _run_model_reshard(
                 assert model.plan.plan[path] == new_plan.plan[path]
 
             reference = DistributedModelParallel(
-                _model(), env=env, device=device, plan=new_plan, sharders=sharders
+                sparse_arch(), env=env, device=device, plan=new_plan, sharders=sharders
             )
             load_global_state(reference, weights, opt_state)
             assert_state_dicts_equal(reference.state_dict(), model.state_dict())
@@ -196,7 +102,9 @@ def _run_model_reshard(
         # The model's own fused optimizer object follows the moved state.
         assert model.fused_optimizer is fused_before
         for batch in batches[steps_before:]:
-            assert torch.equal(_step(model, batch), _step(reference, batch))
+            assert torch.equal(
+                sparse_arch_step(model, batch), sparse_arch_step(reference, batch)
+            )
         assert_state_dicts_equal(reference.state_dict(), model.state_dict())
         assert_optimizer_states_equal(reference, model)
 

@@ -219,16 +219,12 @@ def _run_other_thread(rank: int, world_size: int, port: str) -> None:
         ), bystander.failures[:5]
 
         # And the training module itself is exactly a module sharded with B.
-        shapes = {
-            f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ebc.embedding_bag_configs()
-        }
         reshard_module(module, delta(plans[0], plans[1]), env)
         reference = shard(ebc, sharder, plans[1], env, device)
         load_global_state(
             reference,
             global_weights(module, pg),
-            global_optimizer_state(module, pg, shapes),
+            global_optimizer_state(module, pg),
         )
         assert_same_training(reference, module, batches, "fused", device)
 
@@ -254,12 +250,8 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
         batches = make_batches(4, [ROWS] * 4, 3, 4, seed=9)
         module = shard(ebc, sharder, plan_a, env, device)
         train_step(module, batches[0])
-        shapes = {
-            f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ebc.embedding_bag_configs()
-        }
         weights = global_weights(module, pg)
-        opt_state = global_optimizer_state(module, pg, shapes)
+        opt_state = global_optimizer_state(module, pg)
 
         # What a caller holds: a state dict, an optimizer state dict, a shard.
         state_dict = module.state_dict()

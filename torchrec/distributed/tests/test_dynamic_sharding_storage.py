@@ -82,12 +82,8 @@ def _reshard_and_compare(
     """Reshards ``module`` from ``old`` to ``new`` and checks it against a
     module sharded directly with ``new``, then trains both one step."""
     pg = env.process_group
-    shapes = {
-        f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-        for c in ebc.embedding_bag_configs()
-    }
     weights = global_weights(module, pg)
-    opt_state = global_optimizer_state(module, pg, shapes)
+    opt_state = global_optimizer_state(module, pg)
     report = reshard_module(module, delta(old, new), env, device, options)
     reference = shard(ebc, sharder, new, env, device)
     load_global_state(reference, weights, opt_state)
@@ -194,11 +190,12 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
 
 def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
     """
-    Tables move to rank 0 one reshard at a time; each arrival gets a kernel,
-    until the group would hold more than MAX_KERNELS_PER_GROUP batch keys:
-    then it is rebuilt as one kernel (tables that stay are copied).
+    Tables move to rank 0 one reshard at a time; each arrival gets a kernel
+    and the tables already there keep theirs (kept in place), until the group
+    holds MAX_KERNELS_PER_GROUP kernels: then the smallest run of kept shards
+    is copied into the arrivals' kernel, and the count stays at the cap.
     """
-    moves = MAX_KERNELS_PER_GROUP
+    moves = MAX_KERNELS_PER_GROUP + 1
     num_tables = moves + 2
     with process_group(rank, world_size, port) as (pg, device):
         ebc = make_ebc(num_tables, dims=[DIM] * num_tables, rows=[ROWS] * num_tables)
@@ -231,15 +228,18 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
         assert max(counts) <= MAX_KERNELS_PER_GROUP, counts
         assert all(r.bytes_copied_locally == 0 for r in reports[:-1]), reports
         if rank == 0:
-            # one kernel per arrival, then the whole group merged into one:
-            # the tables that stayed are copied into it
-            assert counts == list(range(1, moves)) + [1], counts
-            assert reports[-1].tables_kept_in_place == [], reports[-1]
+            # one kernel per arrival up to the cap; then the last kept run (t3,
+            # as small as the others) is copied in with the arrival
+            cap = MAX_KERNELS_PER_GROUP
+            assert counts == list(range(1, cap + 1)) + [cap], counts
+            kept = [f"t{i}" for i in range(cap - 1)]
+            assert sorted(reports[-1].tables_kept_in_place) == kept, reports[-1]
             assert reports[-1].bytes_copied_locally > 0, reports[-1]
         else:
             # the tables left on rank 1 all come from its one old kernel: kept
             assert counts == [1] * moves, counts
-            assert sorted(reports[-1].tables_kept_in_place) == ["t4", "t5"]
+            left = [f"t{i}" for i in range(moves, num_tables)]
+            assert sorted(reports[-1].tables_kept_in_place) == left, reports[-1]
             assert reports[-1].bytes_copied_locally == 0, reports[-1]
 
 

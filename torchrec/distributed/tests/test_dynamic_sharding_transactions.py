@@ -46,6 +46,12 @@ from torchrec.distributed.resharding import (
     ReshardOptions,
 )
 from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.test_utils.reshard_dmp_utils import (
+    sparse_arch,
+    sparse_arch_batches,
+    sparse_arch_plan,
+    sparse_arch_step,
+)
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -63,12 +69,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     ReshardTestBase,
     shard,
     train_step,
-)
-from torchrec.distributed.tests.test_dynamic_sharding_model import (
-    _batches,
-    _model,
-    _sharding_plan,
-    _step,
 )
 from torchrec.distributed.types import CacheParams, ShardingEnv
 from torchrec.modules.embedding_configs import DataType
@@ -95,12 +95,7 @@ SPECS_B = {
 
 def _model_state(model: torch.nn.Module, pg: dist.ProcessGroup) -> Any:
     """A global view of a model's weights and fused optimizer state."""
-    shapes = {
-        key: tuple(value.size())
-        for key, value in model.state_dict().items()
-        if value.dim() == 2
-    }
-    return global_weights(model, pg), global_optimizer_state(model, pg, shapes)
+    return global_weights(model, pg), global_optimizer_state(model, pg)
 
 
 def _assert_same_state(a: Any, b: Any) -> None:
@@ -112,9 +107,9 @@ def _assert_same_state(a: Any, b: Any) -> None:
 
 def _make_dmp(env: ShardingEnv, device: torch.device, plan: Any) -> Any:
     sharders = [make_sharder("rowwise_adagrad"), make_ec_sharder("rowwise_adagrad")]
-    unsharded = _model()
+    unsharded = sparse_arch()
     model = DistributedModelParallel(
-        _model(), env=env, device=device, plan=plan, sharders=sharders
+        sparse_arch(), env=env, device=device, plan=plan, sharders=sharders
     )
     model.load_state_dict(unsharded.state_dict())
     return model
@@ -123,13 +118,13 @@ def _make_dmp(env: ShardingEnv, device: torch.device, plan: Any) -> Any:
 def _run_model_transactions(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        unsharded = _model()
-        plan_a = _sharding_plan(unsharded, SPECS_A, world_size)
-        plan_b = _sharding_plan(unsharded, SPECS_B, world_size)
+        unsharded = sparse_arch()
+        plan_a = sparse_arch_plan(unsharded, SPECS_A, world_size)
+        plan_b = sparse_arch_plan(unsharded, SPECS_B, world_size)
         caller_a, caller_b = copy.deepcopy(plan_a), copy.deepcopy(plan_b)
-        batches = _batches(unsharded, 4)
+        batches = sparse_arch_batches(unsharded, 4)
         model = _make_dmp(env, device, plan_a)
-        _step(model, batches[0])
+        sparse_arch_step(model, batches[0])
         before = _model_state(model, pg)
 
         # A valid change of sparse_a and a bad one of seq: nothing moves.
@@ -176,7 +171,7 @@ def _run_model_transactions(rank: int, world_size: int, port: str) -> None:
         # the mean over its former columns: compare the weights)
         _assert_same_state(before[:1], _model_state(model, pg)[:1])
         for batch in batches[1:]:
-            _step(model, batch)
+            sparse_arch_step(model, batch)
 
 
 # One option at a time, each against a module sharded directly with it.
@@ -223,16 +218,12 @@ def _run_kernel_options(rank: int, world_size: int, port: str) -> None:
         plan = make_plan(ebc, specs, world_size, world_size, "fused")
         batches = make_batches(3, rows, 2 * len(KERNEL_OPTIONS), 4, seed=8)
         module = shard(ebc, sharder, plan, env, device)
-        shapes = {
-            f"embedding_bags.{c.name}.weight": (c.num_embeddings, c.embedding_dim)
-            for c in ebc.embedding_bag_configs()
-        }
         for i, (option, value) in enumerate(KERNEL_OPTIONS.items()):
             train_step(module, batches[2 * i])
             new_plan = copy.deepcopy(plan)
             setattr(new_plan["t1"], option, value)
             weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg, shapes)
+            opt_state = global_optimizer_state(module, pg)
             report = reshard_module(module, delta(plan, new_plan), env)
             assert report.tables_moved == [], (option, report)
             assert module.module_sharding_plan == new_plan, option

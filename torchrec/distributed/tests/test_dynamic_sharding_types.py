@@ -12,7 +12,7 @@ Resharding between every EBC sharding type (TW, CW, TWCW, RW, TWRW, GRID, DP),
 with type changes, shard-count changes, several tables changing in different
 ways at once, DTensor state dicts, and the groups a reshard must not touch.
 Each case is checked against a module sharded directly with the new plan (see
-``test_dynamic_sharding._run_reshard_case``).
+``reshard_utils.assert_reshard_matches_direct``).
 """
 
 import unittest
@@ -22,6 +22,7 @@ import hypothesis.strategies as st
 from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
+    assert_reshard_matches_direct,
     make_batches,
     make_ebc,
     make_plan,
@@ -32,7 +33,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     shard,
     TableSpec,
 )
-from torchrec.distributed.tests.test_dynamic_sharding import _run_reshard_case
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import DataType
 
@@ -158,7 +158,7 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
 class DynamicShardingTypesTest(ReshardTestBase):
     def _run(self, world_size: int, **kwargs: Any) -> None:
         self.run_ranks(
-            _run_reshard_case,
+            assert_reshard_matches_direct,
             world_size,
             **kwargs,
         )

@@ -23,9 +23,8 @@ sends and receives.
 
 import gc
 import unittest
-import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from unittest import mock
 
 import torch
@@ -33,195 +32,40 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
+    kernel_state,
     ReshardAbortedError,
     ReshardOptions,
-    transaction,
 )
 from torchrec.distributed.resharding.elastic import dry_run_move, move_model
-from torchrec.distributed.resharding.kernel_state import batched_kernels, read_piece
-from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.distributed.resharding.kernel_state import read_piece
+from torchrec.distributed.test_utils.reshard_model_utils import (
+    global_model_state,
+    GROUPS,
+    kernel_refs,
+    make_dense_optimizer,
+    model_definition,
+    model_plan,
+    model_sharders,
+    reference_model,
+    shard_addresses,
+    share_from,
+    train_model,
+    WORLD,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
     process_group,
     ReshardTestBase,
-    TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-)
-from torchrec.optim.keyed import KeyedOptimizerWrapper
-from torchrec.optim.optimizers import in_backward_optimizer_filter
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-WORLD = 4
-DIM = 16
-GROUPS: List[List[int]] = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2]]
 # growing (2, 3) -> (0, 1, 2, 3) with plan shift 2 leaves ebc's t1 (table-wise)
 # on rank 2 and the two column shards of t2 on ranks 3 and 2: their new kernels
 # take over the old kernels' storage.
 KEPT: Dict[int, List[str]] = {2: ["ebc.embedding_bags.t1.weight"], 3: []}
 KEPT[2].append("ebc.embedding_bags.t2.weight")
 KEPT[3].append("ebc.embedding_bags.t2.weight")
-
-
-class _Model(nn.Module):
-    """Pooled (EBC) and sequence (EC) embeddings and a dense layer."""
-
-    def __init__(self, ebc: EmbeddingBagCollection, ec: EmbeddingCollection) -> None:
-        super().__init__()
-        self.ebc = ebc
-        self.ec = ec
-        self.dense = nn.Linear(DIM, DIM)
-
-    def forward(self, batch: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> Any:
-        pooled = self.ebc(batch[0]).to_dict()
-        sequences = self.ec(batch[1])
-        x = torch.cat([pooled[k] for k in sorted(pooled)], dim=0)
-        return torch.cat(
-            [self.dense(x).flatten()]
-            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
-        )
-
-
-def _on_meta(module: nn.Module) -> nn.Module:
-    """The same embedding tables, built on the meta device (no weights)."""
-    meta = torch.device("meta")
-    if isinstance(module, EmbeddingCollection):
-        return EmbeddingCollection(tables=module.embedding_configs(), device=meta)
-    return EmbeddingBagCollection(tables=module.embedding_bag_configs(), device=meta)
-
-
-def _definition(
-    device: str = "meta", seed: int = 1, ebc_rows: Optional[Sequence[int]] = None
-) -> _Model:
-    ebc = make_ebc(4, dims=[DIM] * 4, rows=ebc_rows, seed=seed)
-    ec = make_ec(2, dim=DIM, seed=seed + 1)
-    torch.manual_seed(seed + 2)
-    model = _Model(ebc, ec)
-    if device == "cpu":
-        return model
-    model.dense.to("meta")
-    model.ebc, model.ec = _on_meta(ebc), _on_meta(ec)
-    return model
-
-
-def _specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:
-    last = size - 1
-    return {
-        "ebc": {
-            "t0": ("data_parallel", None),
-            "t1": ("table_wise", shift % size),
-            "t2": ("column_wise", [(shift + 1) % size, shift % size]),
-            "t3": ("row_wise", None),
-        },
-        "ec": {"t0": ("table_wise", last - shift % size), "t1": ("row_wise", None)},
-    }
-
-
-def _plan(size: int, shift: int) -> ShardingPlan:
-    model = _definition("cpu")
-    specs = _specs(size, shift)
-    return ShardingPlan(
-        {
-            name: make_plan(getattr(model, name), specs[name], size, size, "fused")
-            for name in ("ebc", "ec")
-        }
-    )
-
-
-def _sharders() -> List[Any]:
-    return [make_sharder("rowwise_adagrad"), make_ec_sharder("rowwise_adagrad")]
-
-
-def _make_optimizer(model: nn.Module) -> KeyedOptimizerWrapper:
-    return KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(model.named_parameters())),
-        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    )
-
-
-def _batch(step: int, index: int) -> Tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
-    """The batch of a group's index-th rank at a step (the same global batch)."""
-    ebc_rows = [24 + 3 * i for i in range(4)]
-    return (
-        make_batches(4, ebc_rows, 1, 3, seed=1000 * step + index)[0],
-        make_batches(2, [16, 16], 1, 3, seed=2000 * step + index)[0],
-    )
-
-
-def _train(model: nn.Module, optimizer: Any, step: int, index: int) -> torch.Tensor:
-    optimizer.zero_grad()
-    out = model(_batch(step, index))
-    (out**2).sum().backward()
-    optimizer.step()
-    return out.detach()
-
-
-def _shapes(model: nn.Module) -> Dict[str, Tuple[int, int]]:
-    return {
-        key: tuple(value.size())
-        for key, value in model.state_dict().items()
-        if key.startswith(("ebc.", "ec.")) and value.dim() == 2
-    }
-
-
-def _global_state(model: Any, optimizer: Any, pg: dist.ProcessGroup) -> Any:
-    weights = global_weights(model, pg)
-    fused = global_optimizer_state(model, pg, _shapes(model))
-    return weights, fused, optimizer.state_dict()
-
-
-def _share(state: Any, src: int) -> Any:
-    """A state known on rank ``src``, on every rank of the world."""
-    box = [state if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def _reference(
-    env: ShardingEnv, plan: ShardingPlan, state: Any
-) -> Tuple[nn.Module, Any]:
-    model = DistributedModelParallel(
-        _definition(),
-        env=env,
-        device=torch.device("cpu"),
-        plan=plan,
-        sharders=_sharders(),
-    )
-    weights, fused, dense_state = state
-    load_global_state(model, weights, fused)
-    optimizer = _make_optimizer(model)
-    optimizer.init_state()
-    optimizer.load_state_dict(dense_state)
-    return model, optimizer
-
-
-def _kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
-    return [
-        weakref.ref(b.emb_module)
-        for m in model.modules()
-        if hasattr(m, "_lookups")
-        for lookup in m._lookups
-        for b in batched_kernels(lookup)
-    ]
-
-
-def _shard_addresses(model: nn.Module, keys: Sequence[str]) -> Dict[str, List[int]]:
-    """Where the local shards of some tables of a model live."""
-    state = model.state_dict()
-    return {
-        key: [s.tensor.data_ptr() for s in state[key].local_shards()] for key in keys
-    }
 
 
 def _failing_read_piece() -> Callable[..., torch.Tensor]:
@@ -252,20 +96,20 @@ def _failed_move(
     (whose kept shards share the old kernels' storage): every rank raises and
     the old model is bit-identical to before, its kept shards where they were.
     """
-    before = _global_state(model, optimizer, groups[old]) if rank in old else None
-    addresses = _shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
+    before = global_model_state(model, optimizer, groups[old]) if rank in old else None
+    addresses = shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
     read = _failing_read_piece() if rank == old[0] else read_piece
     try:
-        with mock.patch.object(transaction, "read_piece", read):
+        with mock.patch.object(kernel_state, "read_piece", read):
             move_model(
                 model if rank in old else None,
                 plan,
                 envs[new],
                 participants=sorted(set(old) | set(new)),
-                definition=_definition() if rank not in old else None,
-                sharders=_sharders() if rank not in old else None,
+                definition=model_definition() if rank not in old else None,
+                sharders=model_sharders() if rank not in old else None,
                 optimizer=optimizer if rank in old else None,
-                make_optimizer=_make_optimizer,
+                make_optimizer=make_dense_optimizer,
                 options=ReshardOptions(exchange_timeout=timedelta(seconds=10)),
             )
     except ReshardAbortedError as e:
@@ -273,7 +117,7 @@ def _failed_move(
     else:
         raise AssertionError("the injected fault must abort the move")
     if rank in old:
-        weights, fused, dense = _global_state(model, optimizer, groups[old])
+        weights, fused, dense = global_model_state(model, optimizer, groups[old])
         assert before is not None
         for key, value in before[0].items():
             assert torch.equal(weights[key], value), key
@@ -283,7 +127,7 @@ def _failed_move(
             assert all(
                 torch.equal(dense["state"][name][k], v) for k, v in value.items()
             )
-        assert _shard_addresses(model, KEPT.get(rank, [])) == addresses
+        assert shard_addresses(model, KEPT.get(rank, [])) == addresses
 
 
 def _table_configs(model: nn.Module) -> List[Any]:
@@ -307,34 +151,34 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
         env = envs[start]
         assert env is not None
         model = DistributedModelParallel(
-            _definition(),
+            model_definition(),
             env=env,
             device=device,
-            plan=_plan(4, 0),
-            sharders=_sharders(),
+            plan=model_plan(4, 0),
+            sharders=model_sharders(),
         )
-        model.load_state_dict(_definition("cpu").state_dict())
-        optimizer = _make_optimizer(model)
+        model.load_state_dict(model_definition("cpu").state_dict())
+        optimizer = make_dense_optimizer(model)
         step = 0
         for index in range(2):
-            _train(model, optimizer, step, start.index(rank))
+            train_model(model, optimizer, step, start.index(rank))
             step += 1
 
         for old, new, shift in moves:
-            plan = _plan(len(new), shift)
+            plan = model_plan(len(new), shift)
             state = None
             if rank in old:
-                state = _global_state(model, optimizer, groups[old])
-            state = _share(state, old[0])
+                state = global_model_state(model, optimizer, groups[old])
+            state = share_from(state, old[0])
             if old == (2, 3):
                 _failed_move(rank, model, optimizer, plan, old, new, envs, groups)
             kept = old == (2, 3) and rank in KEPT
-            addresses = _shard_addresses(model, KEPT[rank]) if kept else {}
-            refs = _kernel_refs(model) if model is not None else []
+            addresses = shard_addresses(model, KEPT[rank]) if kept else {}
+            refs = kernel_refs(model) if model is not None else []
             participants = sorted(set(old) | set(new))
             definition, configs, inits = None, [], []
             if rank not in old:
-                definition = _definition()
+                definition = model_definition()
                 configs = _table_configs(definition)
                 for config in configs:
                     config.init_fn = lambda w, n=config.name, out=inits: out.append(n)
@@ -343,8 +187,8 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 plan,
                 envs[new],
                 participants=participants,
-                definition=_definition() if rank not in old else None,
-                sharders=_sharders() if rank not in old else None,
+                definition=model_definition() if rank not in old else None,
+                sharders=model_sharders() if rank not in old else None,
             )
             gc.disable()
             try:
@@ -354,9 +198,9 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                     envs[new],
                     participants=participants,
                     definition=definition,
-                    sharders=_sharders() if rank not in old else None,
+                    sharders=model_sharders() if rank not in old else None,
                     optimizer=optimizer if rank in old else None,
-                    make_optimizer=_make_optimizer,
+                    make_optimizer=make_dense_optimizer,
                 )
                 # the old model is released at once, even while still held
                 assert all(r() is None for r in refs), (old, new)
@@ -375,14 +219,14 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
             model, optimizer = moved.model, moved.optimizer
             if kept:
                 # shards that stay put keep their storage: nothing copied
-                assert _shard_addresses(model, KEPT[rank]) == addresses
+                assert shard_addresses(model, KEPT[rank]) == addresses
                 assert moved.report.bytes_kept_in_place > 0, moved.report
             if rank not in old or rank not in new:
                 assert moved.report.bytes_kept_in_place == 0, moved.report
             if rank in new:
                 env = envs[new]
                 assert env is not None
-                reference, ref_optimizer = _reference(env, plan, state)
+                reference, ref_optimizer = reference_model(env, plan, state)
                 assert_state_dicts_equal(reference.state_dict(), model.state_dict())
                 assert_optimizer_states_equal(reference, model)
                 for name, value in ref_optimizer.state_dict()["state"].items():
@@ -390,8 +234,8 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                     assert all(torch.equal(got[k], v) for k, v in value.items()), name
                 for _ in range(2):
                     index = new.index(rank)
-                    out = _train(model, optimizer, step, index)
-                    ref = _train(reference, ref_optimizer, step, index)
+                    out = train_model(model, optimizer, step, index)
+                    ref = train_model(reference, ref_optimizer, step, index)
                     assert torch.equal(out, ref), (old, new)
                     step += 1
                 assert_state_dicts_equal(reference.state_dict(), model.state_dict())

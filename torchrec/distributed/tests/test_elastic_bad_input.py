@@ -24,18 +24,18 @@ import torch.distributed as dist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.elastic import move_model
+from torchrec.distributed.test_utils.reshard_model_utils import (
+    GROUPS,
+    model_definition,
+    model_plan,
+    model_sharders,
+    WORLD,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     global_weights,
     make_plan,
     process_group,
     ReshardTestBase,
-)
-from torchrec.distributed.tests.test_elastic import (
-    _definition,
-    _plan,
-    _sharders,
-    GROUPS,
-    WORLD,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
@@ -51,13 +51,13 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
         env = envs[old]
         assert env is not None
         model = DistributedModelParallel(
-            _definition(),
+            model_definition(),
             env=env,
             device=device,
-            plan=_plan(4, 0),
-            sharders=_sharders(),
+            plan=model_plan(4, 0),
+            sharders=model_sharders(),
         )
-        model.load_state_dict(_definition("cpu").state_dict())
+        model.load_state_dict(model_definition("cpu").state_dict())
         before = global_weights(model, groups[old])
         options_timeout = timedelta(seconds=4)
 
@@ -78,9 +78,9 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
             return "moved"
 
         # shards placed on a rank outside the new group (rank 3 of 2)
-        outside = _plan(2, 0)
+        outside = model_plan(2, 0)
         outside.plan["ebc"]["t1"] = make_plan(
-            _definition("cpu").ebc, {"t1": ("table_wise", 3)}, 4, 4, "fused"
+            model_definition("cpu").ebc, {"t1": ("table_wise", 3)}, 4, 4, "fused"
         )["t1"]
         outcome = attempt(outside)
         assert outcome.startswith("ReshardError") and "t1" in outcome, outcome
@@ -90,7 +90,7 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
         try:
             move_model(
                 model,
-                _plan(2, 0),
+                model_plan(2, 0),
                 skewed if rank in (0, 1) else None,
                 participants=[0, 1, 2, 3],
             )
@@ -101,7 +101,7 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
 
         # a participant that does not call: rank 3 idles past the timeout
         if rank != 3:
-            outcome = attempt(_plan(2, 0))
+            outcome = attempt(model_plan(2, 0))
             assert outcome.startswith("ReshardAbortedError"), outcome
         else:
             import time
@@ -127,22 +127,22 @@ def _run_bad_definition(rank: int, world_size: int, port: str) -> None:
             env = envs[(0, 1)]
             assert env is not None
             model = DistributedModelParallel(
-                _definition(),
+                model_definition(),
                 env=env,
                 device=device,
-                plan=_plan(2, 0),
-                sharders=_sharders(),
+                plan=model_plan(2, 0),
+                sharders=model_sharders(),
             )
         # rank 3 joins with a definition whose table t3 has other rows
-        definition = _definition(ebc_rows=[24, 27, 30, 99] if rank == 3 else None)
+        definition = model_definition(ebc_rows=[24, 27, 30, 99] if rank == 3 else None)
         try:
             move_model(
                 model,
-                _plan(4, 0),
+                model_plan(4, 0),
                 envs[(0, 1, 2, 3)],
                 participants=[0, 1, 2, 3],
                 definition=definition if rank >= 2 else None,
-                sharders=_sharders() if rank >= 2 else None,
+                sharders=model_sharders() if rank >= 2 else None,
             )
         except ReshardError as e:
             assert "rank 3" in str(e) and "t3" in str(e), e

@@ -24,21 +24,21 @@ import torch.distributed as dist
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import move_model, ReshardError
+from torchrec.distributed.test_utils.reshard_pipeline_utils import (
+    dense_optimizer,
+    dlrm_batches,
+    dlrm_model,
+    dlrm_plan,
+    DLRM_PLAN_A,
+    global_weights_and_state,
+    plain_steps,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     load_global_state,
     process_group,
     ReshardTestBase,
-)
-from torchrec.distributed.tests.test_dynamic_sharding_pipeline import (
-    _batches,
-    _dense_optimizer,
-    _model,
-    _plain_steps,
-    _plan,
-    _state,
-    PLAN_A,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv
@@ -69,13 +69,15 @@ def _run_pipeline_across_move(rank: int, world_size: int, port: str) -> None:
         new_env = (
             ShardingEnv.from_process_group(new_group) if rank in NEW_RANKS else None
         )
-        new_plan = _plan(PLAN_A, len(NEW_RANKS))
-        model, _ = _model(
-            ShardingEnv.from_process_group(world), device, _plan(PLAN_A, world_size)
+        new_plan = dlrm_plan(DLRM_PLAN_A, len(NEW_RANKS))
+        model, _ = dlrm_model(
+            ShardingEnv.from_process_group(world),
+            device,
+            dlrm_plan(DLRM_PLAN_A, world_size),
         )
-        dense = _dense_optimizer(model)
+        dense = dense_optimizer(model)
         pipeline = _pipeline(model, dense, device)
-        batches = _batches(2 * STEPS, rank)
+        batches = dlrm_batches(2 * STEPS, rank)
         it = iter(batches[:STEPS])
         for _ in range(STEPS - 1):
             pipeline.progress(it)  # one batch stays in flight
@@ -87,33 +89,33 @@ def _run_pipeline_across_move(rank: int, world_size: int, port: str) -> None:
                 new_env,
                 participants=range(world_size),
                 optimizer=dense,
-                make_optimizer=_dense_optimizer,
+                make_optimizer=dense_optimizer,
             )
 
-        before, _ = _state(model, world)
+        before, _ = global_weights_and_state(model, world)
         try:
             move()
         except ReshardError as e:
             assert "train pipeline" in str(e) and "detach" in str(e), e
         else:
             raise AssertionError("a model attached to a pipeline must be refused")
-        after, _ = _state(model, world)
+        after, _ = global_weights_and_state(model, world)
         for key in before:
             assert before[key].equal(after[key]), key
 
         _run_dry(pipeline, it)
         pipeline.detach()
-        weights, opt_state = _state(model, world)
+        weights, opt_state = global_weights_and_state(model, world)
         moved = move()
         assert moved.left == (rank not in NEW_RANKS)
         if new_env is not None:
-            reference, ref_optimizer = _model(new_env, device, new_plan)
+            reference, ref_optimizer = dlrm_model(new_env, device, new_plan)
             load_global_state(reference, weights, opt_state)
-            segment = _batches(2 * STEPS, NEW_RANKS.index(rank))[STEPS:]
+            segment = dlrm_batches(2 * STEPS, NEW_RANKS.index(rank))[STEPS:]
             pipeline = _pipeline(moved.model, moved.optimizer, device)
             it = iter(segment)
             losses = [pipeline.progress(it)[0] for _ in range(STEPS)]
-            expected = _plain_steps(reference, ref_optimizer, segment)
+            expected = plain_steps(reference, ref_optimizer, segment)
             for got, want in zip(losses, expected):
                 assert got.equal(want), (losses, expected)
             assert_state_dicts_equal(reference.state_dict(), moved.model.state_dict())

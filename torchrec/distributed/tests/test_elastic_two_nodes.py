@@ -28,7 +28,7 @@ import tempfile
 import unittest
 from typing import List
 
-from torchrec.distributed.tests.elastic_drain_worker import (
+from torchrec.distributed.test_utils.elastic_drain_worker import (
     HOST0,
     HOST1,
     job_failures,

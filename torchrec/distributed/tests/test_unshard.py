@@ -19,6 +19,14 @@ import unittest
 import torch
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.unshard import shard_from_rank, unshard_model
+from torchrec.distributed.test_utils.reshard_model_utils import (
+    make_dense_optimizer,
+    model_definition,
+    model_plan,
+    model_sharders,
+    share_from,
+    train_model,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -27,15 +35,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     process_group,
     ReshardTestBase,
 )
-from torchrec.distributed.tests.test_elastic import (
-    _definition,
-    _make_optimizer,
-    _plan,
-    _shapes,
-    _sharders,
-    _share,
-    _train,
-)
 from torchrec.distributed.types import ShardingEnv
 
 
@@ -43,18 +42,18 @@ def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> N
     with process_group(rank, world_size, port) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
         model = DistributedModelParallel(
-            _definition(),
+            model_definition(),
             env=env,
             device=device,
-            plan=_plan(2, 1),
-            sharders=_sharders(),
+            plan=model_plan(2, 1),
+            sharders=model_sharders(),
         )
-        model.load_state_dict(_definition("cpu").state_dict())
-        optimizer = _make_optimizer(model)
+        model.load_state_dict(model_definition("cpu").state_dict())
+        optimizer = make_dense_optimizer(model)
         for step in range(2):
-            _train(model, optimizer, step, rank)
+            train_model(model, optimizer, step, rank)
         weights = global_weights(model, pg)
-        fused = global_optimizer_state(model, pg, _shapes(model))
+        fused = global_optimizer_state(model, pg)
 
         # every table onto rank 1, as plain modules, optimizer state included
         unsharded = unshard_model(model, dst=1, optimizer_state=True)
@@ -74,8 +73,8 @@ def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> N
                     assert torch.equal(tensor, expected), param
 
         # the reverse: only rank 0 has the weights (e.g. pretrained)
-        source = _definition("cpu", seed=7) if rank == 0 else _definition()
-        expected = _share(
+        source = model_definition("cpu", seed=7) if rank == 0 else model_definition()
+        expected = share_from(
             (
                 {k: v.clone() for k, v in source.state_dict().items()}
                 if rank == 0
@@ -83,13 +82,15 @@ def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> N
             ),
             0,
         )
-        sharded = shard_from_rank(source, _plan(2, 0), env, src=0, sharders=_sharders())
+        sharded = shard_from_rank(
+            source, model_plan(2, 0), env, src=0, sharders=model_sharders()
+        )
         direct = DistributedModelParallel(
-            _definition(),
+            model_definition(),
             env=env,
             device=device,
-            plan=_plan(2, 0),
-            sharders=_sharders(),
+            plan=model_plan(2, 0),
+            sharders=model_sharders(),
         )
         direct.load_state_dict(expected)  # every rank reads the weights
         assert_state_dicts_equal(direct.state_dict(), sharded.state_dict())

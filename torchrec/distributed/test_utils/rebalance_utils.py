@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Test helpers for the rebalancer: a DLRM whose tables get a controlled load
+(ids per sample per table, changing at a given step), the planner that made
+its first plan, and the model with its optimizer.
+"""
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner import (
+    EmbeddingShardingPlanner,
+    ParameterConstraints,
+    Topology,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+DENSE_IN = 4
+
+
+def rebalance_dlrm(
+    num_tables: int, rows: int, dim: int, device: torch.device, seed: int = 0
+) -> DLRMTrain:
+    """A small DLRM with tables ``t<i>`` read by features ``f<i>``."""
+    torch.manual_seed(seed)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=rows,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
+            dense_in_features=DENSE_IN,
+            dense_arch_layer_sizes=[dim],
+            over_arch_layer_sizes=[4, 1],
+            dense_device=device,
+        )
+    )
+
+
+def loaded_batches(
+    loads: Sequence[Sequence[int]],
+    rank: int,
+    rows: int,
+    batch_size: int,
+    seed: int = 0,
+) -> List[Batch]:
+    """
+    One batch per entry of ``loads``: table ``i`` gets between 0 and
+    ``2 * loads[step][i]`` ids per sample (mean ``loads[step][i]``), different
+    on every rank.
+    """
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    batches = []
+    for per_table in loads:
+        lengths = torch.cat(
+            [
+                torch.randint(0, 2 * p + 1, (batch_size,), generator=gen)
+                for p in per_table
+            ]
+        )
+        values = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+        dense = torch.rand(batch_size, DENSE_IN, generator=gen)
+        batches.append(
+            Batch(
+                dense_features=dense,
+                sparse_features=KeyedJaggedTensor.from_lengths_sync(
+                    keys=[f"f{i}" for i in range(len(per_table))],
+                    values=values,
+                    lengths=lengths,
+                ),
+                labels=torch.randint(0, 2, (batch_size,), generator=gen),
+            )
+        )
+    return batches
+
+
+def rebalance_sharder() -> EmbeddingBagCollectionSharder:
+    """Fused exact Adagrad for the tables."""
+    return EmbeddingBagCollectionSharder(
+        fused_params={
+            "optimizer": EmbOptimType.EXACT_ADAGRAD,
+            "learning_rate": 0.05,
+            "eps": 0.01,
+        }
+    )
+
+
+def table_wise_planner(
+    world_size: int,
+    batch_size: int,
+    pooling: Sequence[float],
+    topology: Optional[Topology] = None,
+) -> EmbeddingShardingPlanner:
+    """A planner for table-wise fused tables with the declared ``pooling``."""
+    return EmbeddingShardingPlanner(
+        topology=topology
+        or Topology(
+            world_size=world_size, compute_device="cpu", local_world_size=world_size
+        ),
+        batch_size=batch_size,
+        constraints={
+            f"t{i}": ParameterConstraints(
+                sharding_types=["table_wise"],
+                compute_kernels=["fused"],
+                pooling_factors=[float(p)],
+            )
+            for i, p in enumerate(pooling)
+        },
+        stats=[],
+        debug=False,
+    )
+
+
+def planned(
+    planner: EmbeddingShardingPlanner, num_tables: int, rows: int, dim: int
+) -> ShardingPlan:
+    """The planner's plan for the DLRM (planned in this process)."""
+    meta = rebalance_dlrm(num_tables, rows, dim, torch.device("meta"))
+    return planner.plan(meta, [rebalance_sharder()])
+
+
+def tables_on(plan: ShardingPlan, rank: int) -> List[int]:
+    """Indices of the table-wise tables the plan puts on ``rank``."""
+    return sorted(
+        int(t[1:])
+        for t, ps in plan.plan[EBC_PATH].items()  # pyre-ignore[16]
+        if ps.ranks == [rank]
+    )
+
+
+def rebalance_model(
+    env: ShardingEnv,
+    device: torch.device,
+    plan: ShardingPlan,
+    num_tables: int,
+    rows: int,
+    dim: int,
+) -> Tuple[DistributedModelParallel, CombinedOptimizer]:
+    """The DLRM sharded with ``plan`` from seed 0, with fused + SGD optimizers."""
+    model = DistributedModelParallel(
+        rebalance_dlrm(num_tables, rows, dim, torch.device("cpu")),
+        env=env,
+        device=device,
+        plan=plan,
+        sharders=[rebalance_sharder()],
+    )
+    model.load_state_dict(
+        rebalance_dlrm(num_tables, rows, dim, torch.device("cpu")).state_dict()
+    )
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    return model, CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def decision_summary(decisions: Sequence[object]) -> List[Dict[str, object]]:
+    """The fields of decisions every rank must agree on (no timings)."""
+    keys = (
+        "step",
+        "action",
+        "reason",
+        "current_cost",
+        "candidate_cost",
+        "predicted_gain",
+        "bytes_raw",
+        "bytes_relabelled",
+        "max_rank_bytes",
+        "tables",
+    )
+    summary = []
+    for d in decisions:
+        row = {k: getattr(d, k) for k in keys}
+        summary.append(row)
+    return summary

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+A model scenario for the moves between groups of ranks (elastic, unshard,
+shard from a rank) and the transaction tests: a ``DistributedModelParallel``
+of pooled (EBC) and sequence (EC) embeddings and a dense layer, its plans for
+any group size, its batches, a training step, and the oracle: the global
+state gathered with plain collectives and a reference model built directly
+on a group from it.
+"""
+
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.distributed.test_utils.reshard_utils import (
+    global_optimizer_state,
+    global_weights,
+    load_global_state,
+    make_batches,
+    make_ebc,
+    make_plan,
+    make_sharder,
+    TableSpec,
+)
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_modules import (
+    EmbeddingBagCollection,
+    EmbeddingCollection,
+)
+from torchrec.optim.keyed import KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+# the world of the scenario and the groups a model moves between
+WORLD = 4
+DIM = 16
+GROUPS: List[List[int]] = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2]]
+
+
+class EmbeddingsModel(nn.Module):
+    """Pooled (EBC) and sequence (EC) embeddings and a dense layer."""
+
+    def __init__(self, ebc: EmbeddingBagCollection, ec: EmbeddingCollection) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.ec = ec
+        self.dense = nn.Linear(DIM, DIM)
+
+    def forward(self, batch: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> Any:
+        pooled = self.ebc(batch[0]).to_dict()
+        sequences = self.ec(batch[1])
+        x = torch.cat([pooled[k] for k in sorted(pooled)], dim=0)
+        return torch.cat(
+            [self.dense(x).flatten()]
+            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
+        )
+
+
+def on_meta(module: nn.Module) -> nn.Module:
+    """The same embedding tables, built on the meta device (no weights)."""
+    meta = torch.device("meta")
+    if isinstance(module, EmbeddingCollection):
+        return EmbeddingCollection(tables=module.embedding_configs(), device=meta)
+    return EmbeddingBagCollection(tables=module.embedding_bag_configs(), device=meta)
+
+
+def model_definition(
+    device: str = "meta", seed: int = 1, ebc_rows: Optional[Sequence[int]] = None
+) -> EmbeddingsModel:
+    ebc = make_ebc(4, dims=[DIM] * 4, rows=ebc_rows, seed=seed)
+    ec = make_ec(2, dim=DIM, seed=seed + 1)
+    torch.manual_seed(seed + 2)
+    model = EmbeddingsModel(ebc, ec)
+    if device == "cpu":
+        return model
+    model.dense.to("meta")
+    model.ebc, model.ec = on_meta(ebc), on_meta(ec)
+    return model
+
+
+def model_specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:
+    last = size - 1
+    return {
+        "ebc": {
+            "t0": ("data_parallel", None),
+            "t1": ("table_wise", shift % size),
+            "t2": ("column_wise", [(shift + 1) % size, shift % size]),
+            "t3": ("row_wise", None),
+        },
+        "ec": {"t0": ("table_wise", last - shift % size), "t1": ("row_wise", None)},
+    }
+
+
+def model_plan(size: int, shift: int) -> ShardingPlan:
+    model = model_definition("cpu")
+    specs = model_specs(size, shift)
+    return ShardingPlan(
+        {
+            name: make_plan(getattr(model, name), specs[name], size, size, "fused")
+            for name in ("ebc", "ec")
+        }
+    )
+
+
+def model_sharders() -> List[Any]:
+    return [make_sharder("rowwise_adagrad"), make_ec_sharder("rowwise_adagrad")]
+
+
+def make_dense_optimizer(model: nn.Module) -> KeyedOptimizerWrapper:
+    return KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    )
+
+
+def model_batch(step: int, index: int) -> Tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+    """The batch of a group's index-th rank at a step (the same global batch)."""
+    ebc_rows = [24 + 3 * i for i in range(4)]
+    return (
+        make_batches(4, ebc_rows, 1, 3, seed=1000 * step + index)[0],
+        make_batches(2, [16, 16], 1, 3, seed=2000 * step + index)[0],
+    )
+
+
+def train_model(
+    model: nn.Module, optimizer: Any, step: int, index: int
+) -> torch.Tensor:
+    optimizer.zero_grad()
+    out = model(model_batch(step, index))
+    (out**2).sum().backward()
+    optimizer.step()
+    return out.detach()
+
+
+def global_model_state(model: Any, optimizer: Any, pg: dist.ProcessGroup) -> Any:
+    weights = global_weights(model, pg)
+    fused = global_optimizer_state(model, pg)
+    return weights, fused, optimizer.state_dict()
+
+
+def share_from(state: Any, src: int) -> Any:
+    """A state known on rank ``src``, on every rank of the world."""
+    box = [state if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def reference_model(
+    env: ShardingEnv, plan: ShardingPlan, state: Any
+) -> Tuple[nn.Module, Any]:
+    model = DistributedModelParallel(
+        model_definition(),
+        env=env,
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=model_sharders(),
+    )
+    weights, fused, dense_state = state
+    load_global_state(model, weights, fused)
+    optimizer = make_dense_optimizer(model)
+    optimizer.init_state()
+    optimizer.load_state_dict(dense_state)
+    return model, optimizer
+
+
+def kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
+    return [
+        weakref.ref(b.emb_module)
+        for m in model.modules()
+        if hasattr(m, "_lookups")
+        for lookup in m._lookups
+        for b in batched_kernels(lookup)
+    ]
+
+
+def shard_addresses(model: nn.Module, keys: Sequence[str]) -> Dict[str, List[int]]:
+    """Where the local shards of some tables of a model live."""
+    state = model.state_dict()
+    return {
+        key: [s.tensor.data_ptr() for s in state[key].local_shards()] for key in keys
+    }

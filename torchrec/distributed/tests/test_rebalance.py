@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The rebalancer in a running job (2 gloo ranks): a DLRM planned for a uniform
+load trains with ``TrainPipelineSparseDist``; the load shifts onto the tables
+of rank 0; the ``Rebalancer`` measures it, gets a better plan from the planner
+(predicted per-rank costs improve, the relabelled candidate moves no more
+bytes than the raw one) and reshards, with the same decisions on every rank.
+The run equals, bit for bit (losses, weights, optimizer state), a run that
+applies the same plans by hand at the same steps. A stationary load never
+reshards.
+"""
+
+import unittest
+from typing import Any, Iterator, List
+
+import torch
+import torch.distributed as dist
+from torchrec.datasets.utils import Batch
+from torchrec.distributed.resharding.policy import RebalancePolicy
+from torchrec.distributed.resharding.rebalancer import Rebalancer
+from torchrec.distributed.test_utils.rebalance_utils import (
+    decision_summary,
+    loaded_batches,
+    planned,
+    rebalance_model,
+    table_wise_planner,
+    tables_on,
+)
+from torchrec.distributed.test_utils.reshard_utils import (
+    assert_optimizer_states_equal,
+    assert_state_dicts_equal,
+    process_group,
+    ReshardTestBase,
+)
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv
+
+NUM_TABLES, ROWS, DIM, BATCH = 4, 64, 8, 8
+WINDOW, SHIFT_AT, STEPS = 3, 6, 15
+UNIFORM, HOT, COLD = 2, 12, 1
+
+
+def _same_everywhere(value: Any) -> None:
+    """Asserts that every rank passes an equal ``value``."""
+    values: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    assert all(v == values[0] for v in values), values
+
+
+def _run_shift(rank: int, world_size: int, port: str) -> None:
+    with process_group(rank, world_size, port) as (pg, device):
+        env = ShardingEnv.from_process_group(pg)
+        planner = table_wise_planner(world_size, BATCH, [UNIFORM] * NUM_TABLES)
+        plan_a = planned(planner, NUM_TABLES, ROWS, DIM)
+        hot = set(tables_on(plan_a, 0))
+        assert len(hot) >= 2, plan_a  # the shift lands on one rank
+        shifted = [HOT if i in hot else COLD for i in range(NUM_TABLES)]
+        loads = [[UNIFORM] * NUM_TABLES] * SHIFT_AT + [shifted] * (STEPS - SHIFT_AT)
+        batches = loaded_batches(loads, rank, ROWS, BATCH)
+
+        model, optimizer = rebalance_model(env, device, plan_a, NUM_TABLES, ROWS, DIM)
+        pipeline = TrainPipelineSparseDist(model, optimizer, device)
+        policy = RebalancePolicy(
+            window=WINDOW,
+            min_gain=0.1,
+            hysteresis=1,
+            min_interval=WINDOW,
+            horizon=10**6,
+        )
+        rebalancer = Rebalancer(model, planner, policy)
+        it: Iterator[Batch] = iter(batches)
+        losses = []
+        for _ in range(STEPS):
+            losses.append(pipeline.progress(it)[0].detach())
+            rebalancer.step()
+        rebalancer.close()
+
+        decisions = rebalancer.history
+        _same_everywhere(decision_summary(decisions))
+        reshards = [d for d in decisions if d.action == "reshard"]
+        assert len(reshards) >= 1, rebalancer.history_table()
+        first = reshards[0]
+        # no reshard before the shift, one in the first window that sees it
+        assert first.step == SHIFT_AT + WINDOW, rebalancer.history_table()
+        assert max(first.candidate_cost) < max(first.current_cost), first
+        assert first.predicted_gain >= policy.min_gain, first
+        assert first.bytes_relabelled is not None and first.bytes_raw is not None
+        assert first.bytes_relabelled <= first.bytes_raw, first
+        # the next window predicts the new plan's slowest rank as the reshard did
+        after = decisions[decisions.index(first) + 1]
+        assert max(after.current_cost) < max(
+            first.current_cost
+        ), rebalancer.history_table()
+
+        # The same plans by hand at the same steps: bit-equal.
+        by_step = {d.step: d.plan for d in reshards}
+        replay, replay_optimizer = rebalance_model(
+            env, device, plan_a, NUM_TABLES, ROWS, DIM
+        )
+        replay_pipeline = TrainPipelineSparseDist(replay, replay_optimizer, device)
+        it = iter(batches)
+        for step in range(1, STEPS + 1):
+            loss = replay_pipeline.progress(it)[0].detach()
+            assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
+            if step in by_step:
+                replay.reshard(by_step[step])
+        assert replay.plan.plan == model.plan.plan
+        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
+        assert_optimizer_states_equal(model, replay)
+
+
+def _run_stationary(rank: int, world_size: int, port: str) -> None:
+    with process_group(rank, world_size, port) as (pg, device):
+        env = ShardingEnv.from_process_group(pg)
+        skewed = [HOT, COLD, HOT // 2, COLD]
+        planner = table_wise_planner(world_size, BATCH, skewed)
+        plan = planned(planner, NUM_TABLES, ROWS, DIM)
+        steps = 8 * 2
+        batches = loaded_batches([skewed] * steps, rank, ROWS, BATCH, seed=1)
+        model, optimizer = rebalance_model(env, device, plan, NUM_TABLES, ROWS, DIM)
+        rebalancer = Rebalancer(
+            model,
+            planner,
+            RebalancePolicy(window=2, min_gain=0.1, hysteresis=1, min_interval=0),
+        )
+        for batch in batches:  # a plain loop
+            optimizer.zero_grad()
+            loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            rebalancer.step()
+        _same_everywhere(decision_summary(rebalancer.history))
+        assert len(rebalancer.history) == steps // 2
+        assert all(
+            d.action == "keep" for d in rebalancer.history
+        ), rebalancer.history_table()
+        assert model.plan.plan == plan.plan
+
+
+class RebalanceTest(ReshardTestBase):
+    def test_rebalance_after_load_shift_pipeline_exact(self) -> None:
+        self.run_ranks(_run_shift)
+
+    def test_rebalance_stationary_load_never_reshards(self) -> None:
+        self.run_ranks(_run_stationary)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The Rebalancer's refusals that need a model (one rank, in this process): a
+move budget below the smallest shard of the model, a topology of another
+size, something else than a planner or a topology, a policy of another type.
+"""
+
+import unittest
+
+import torch
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.resharding.policy import RebalancePolicy
+from torchrec.distributed.resharding.rebalancer import Rebalancer
+from torchrec.distributed.test_utils.multi_process_utils import (
+    single_rank_process_group,
+)
+from torchrec.distributed.test_utils.rebalance_utils import (
+    planned,
+    rebalance_model,
+    table_wise_planner,
+)
+from torchrec.distributed.types import ShardingEnv
+
+NUM_TABLES, ROWS, DIM, BATCH = 3, 32, 8, 5
+
+
+class RebalancerBadInputTest(unittest.TestCase):
+    def test_rebalancer_refuses_bad_budget_and_topology(self) -> None:
+        with single_rank_process_group() as pg:
+            env = ShardingEnv.from_process_group(pg)
+            planner = table_wise_planner(1, BATCH, [1.0] * NUM_TABLES)
+            plan = planned(planner, NUM_TABLES, ROWS, DIM)
+            model, _ = rebalance_model(
+                env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
+            )
+            smallest = ROWS * DIM * 4
+            with self.assertRaisesRegex(ValueError, "below the smallest shard"):
+                Rebalancer(
+                    model, planner, RebalancePolicy(move_budget_bytes=smallest - 1)
+                )
+            Rebalancer(
+                model, planner, RebalancePolicy(move_budget_bytes=smallest)
+            ).close()
+            with self.assertRaisesRegex(ValueError, "topology has 2 ranks"):
+                Rebalancer(model, Topology(world_size=2, compute_device="cpu"))
+            with self.assertRaisesRegex(ValueError, "EmbeddingShardingPlanner or a"):
+                Rebalancer(model, "planner")  # pyre-ignore[6]
+            with self.assertRaisesRegex(ValueError, "must be a RebalancePolicy"):
+                Rebalancer(model, planner, {"window": 5})  # pyre-ignore[6]
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The load monitor on a sharded DLRM (one rank, in this process): the ids and
+samples it counts per feature equal the sums of the batches' lengths; it
+times kernels, input dists and output dists; after a live reshard replaced
+the kernels its hooks follow the new ones; ``remove()`` leaves nothing
+behind.
+"""
+
+import unittest
+from typing import List
+
+import torch
+from torchrec.distributed.resharding.load import LoadMonitor
+from torchrec.distributed.test_utils.multi_process_utils import (
+    single_rank_process_group,
+)
+from torchrec.distributed.test_utils.rebalance_utils import (
+    EBC_PATH,
+    loaded_batches,
+    planned,
+    rebalance_dlrm,
+    rebalance_model,
+    table_wise_planner,
+)
+from torchrec.distributed.test_utils.reshard_utils import make_plan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+NUM_TABLES, ROWS, DIM, BATCH = 3, 32, 8, 5
+LOADS: List[List[int]] = [[1, 4, 0], [2, 6, 1], [3, 1, 2]]
+
+
+def _train(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: object
+) -> None:
+    optimizer.zero_grad()
+    loss, _ = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+class LoadMonitorTest(unittest.TestCase):
+    def test_counts_times_rehooks_and_removes(self) -> None:
+        with single_rank_process_group() as pg:
+            env = ShardingEnv.from_process_group(pg)
+            plan = planned(
+                table_wise_planner(1, BATCH, [1.0] * NUM_TABLES), NUM_TABLES, ROWS, DIM
+            )
+            model, optimizer = rebalance_model(
+                env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
+            )
+            monitor = LoadMonitor.for_model(model)
+            batches = loaded_batches(LOADS, 0, ROWS, BATCH)
+            for batch in batches:
+                _train(model, optimizer, batch)
+                monitor.end_step()
+            stats = monitor.collect(pg)
+            self.assertEqual(stats.steps, len(batches))
+            for i in range(NUM_TABLES):
+                ids = sum(
+                    int(b.sparse_features[f"f{i}"].lengths().sum()) for b in batches
+                )
+                load = stats.table(EBC_PATH, f"t{i}")
+                self.assertEqual(load.pooling_factors, (ids / (BATCH * len(batches)),))
+                self.assertEqual(load.samples_per_rank_step, (float(BATCH),))
+                self.assertEqual(load.ids_per_step, ids / len(batches))
+            self.assertGreater(stats.compute_seconds[0], 0.0)
+            self.assertGreater(stats.input_dist_seconds[0], 0.0)
+            self.assertGreater(stats.output_dist_seconds[0], 0.0)
+            self.assertGreater(stats.step_seconds[0], 0.0)
+
+            # a reshard replaces t0's kernel: the hooks follow
+            ebc = model.module.get_submodule(EBC_PATH)
+            new_plan = ShardingPlan(
+                {
+                    EBC_PATH: make_plan(
+                        rebalance_dlrm(
+                            NUM_TABLES, ROWS, DIM, torch.device("meta")
+                        ).model.sparse_arch.embedding_bag_collection,
+                        {
+                            "t0": ("column_wise", [0, 0]),
+                            "t1": ("table_wise", 0),
+                            "t2": ("table_wise", 0),
+                        },
+                        1,
+                        1,
+                        "fused",
+                    )
+                }
+            )
+            generation = ebc._reshard_generation
+            model.reshard(new_plan)
+            self.assertGreater(ebc._reshard_generation, generation)
+            _train(model, optimizer, batches[0])
+            monitor.end_step()
+            stats = monitor.collect(pg)
+            self.assertEqual(stats.steps, 1)
+            self.assertGreater(stats.compute_seconds[0], 0.0)
+            t0 = int(batches[0].sparse_features["f0"].lengths().sum())
+            self.assertEqual(stats.table(EBC_PATH, "t0").ids_per_step, t0)
+
+            monitor.remove()
+            hooks = [
+                m for m in model.modules() if m._forward_pre_hooks or m._forward_hooks
+            ]
+            _train(model, optimizer, batches[1])
+            stats = monitor.collect(pg)
+            self.assertEqual(stats.table(EBC_PATH, "t1").ids_per_step, 0.0)
+            self.assertEqual(stats.compute_seconds, (0.0,))
+            self.assertEqual(hooks, [])
+
+
+if __name__ == "__main__":
+    unittest.main()
