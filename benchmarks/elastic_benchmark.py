@@ -560,55 +560,6 @@ def expected_fingerprint(args: argparse.Namespace) -> str:
 # --------------------------------------------------------------- methods ----
 
 
-class Phases:
-    """
-    Times ``move_model``'s steps on this rank by wrapping ``elastic``'s private
-    helpers (this benchmark process's own instrumentation, undone on exit;
-    helpers that do not exist are skipped).
-    """
-
-    STEPS: List[Tuple[str, str]] = [
-        ("_agree", "agree"),
-        ("_build", "build"),
-        ("open_exchange_group_among", "group"),
-        ("_move_tables", "tables"),
-        ("_broadcast_dense", "dense"),
-        ("close_exchange_group", "group"),
-        ("_release", "release"),
-        ("_release_kept_storage", "release"),
-    ]
-
-    def __init__(self) -> None:
-        self.seconds: Dict[str, float] = {}
-        self.originals: List[Tuple[Any, str, Any]] = []
-
-    def __enter__(self) -> "Phases":
-        import torchrec.distributed.resharding.elastic as elastic
-
-        for name, label in self.STEPS:
-            original = getattr(elastic, name, None)
-            if original is None:
-                continue
-            self.originals.append((elastic, name, original))
-
-            def wrapped(
-                *a: Any, _o: Callable[..., Any] = original, _l: str = label, **k: Any
-            ) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _o(*a, **k)
-                finally:
-                    dt = time.perf_counter() - t0
-                    self.seconds[_l] = self.seconds.get(_l, 0.0) + dt
-
-            setattr(elastic, name, wrapped)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for owner, name, original in reversed(self.originals):
-            setattr(owner, name, original)
-
-
 @dataclass
 class Ctx:
     """What a rank keeps for the whole run."""
@@ -655,14 +606,18 @@ def run_live(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str, 
             sharders=make_sharders(args) if joining else None,
         )
 
-    with Phases() as phases:
-        seconds, peak, moved = timed(ctx, step)
+    seconds, peak, moved = timed(ctx, step)
     ctx.model = moved.model
     report = moved.report
     return {
         "seconds": seconds,
         "peak_bytes": peak,
-        "phases": phases.seconds,
+        "phases": {
+            "agree": report.phases.agree,
+            "build": report.phases.build,
+            "exchange": report.phases.exchange,
+            "commit": report.phases.commit,
+        },
         "report": {
             "rank": report.rank,
             "role": report.role,

@@ -301,51 +301,14 @@ def check(
 # ----------------------------------------------------------- instrumentation --
 
 
-class Breakdown:
-    """
-    Wraps the transaction's steps to time them (the rest is 'other'): the
-    benchmark process's own instrumentation, undone on exit.
-    """
-
-    def __init__(self) -> None:
-        import torchrec.distributed.resharding.install as install
-        import torchrec.distributed.resharding.storage as storage
-        import torchrec.distributed.resharding.transaction as transaction
-
-        self.steps: List[Tuple[Any, str, str]] = [
-            (transaction, "build_groups", "build"),
-            (transaction, "agree", "agree"),
-            (install, "local_slots", "slots"),
-            (transaction, "open_exchange_group", "group"),
-            (transaction, "exchange_pieces", "exchange"),
-            (install.ShardedModuleAdapter, "install", "install"),
-            (storage.KeptStorage, "release", "release"),
-        ]
-        self.seconds: Dict[str, float] = {}
-        self.originals: List[Tuple[Any, str, Any]] = []
-
-    def __enter__(self) -> "Breakdown":
-        for owner, name, label in self.steps:
-            original = getattr(owner, name)
-            self.originals.append((owner, name, original))
-
-            def wrapped(
-                *a: Any, _o: Callable[..., Any] = original, _n: str = label, **k: Any
-            ) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _o(*a, **k)
-                finally:
-                    self.seconds[_n] = (
-                        self.seconds.get(_n, 0.0) + time.perf_counter() - t0
-                    )
-
-            setattr(owner, name, wrapped)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for owner, name, original in self.originals:
-            setattr(owner, name, original)
+def phase_seconds(phases: Any) -> Dict[str, float]:
+    """The phase times a report carries (``report.phases``), by name."""
+    return {
+        "agree": phases.agree,
+        "build": phases.build,
+        "exchange": phases.exchange,
+        "commit": phases.commit,
+    }
 
 
 # --------------------------------------------------------------- methods ----
@@ -442,18 +405,17 @@ def run_fork(
     for rep in range(args.warmup + args.reps):
         target = 1 - current
         delta = {t: ps for t, ps in plans[target].items() if plans[current][t] != ps}
-        with Breakdown() as bd:
-            s, peak, report = timed(
-                pg,
-                resettable,
-                lambda: reshard_module(
-                    module,
-                    delta,
-                    env,
-                    torch.device("cpu"),
-                    ReshardOptions(max_inflight_bytes=cap),
-                ),
-            )
+        s, peak, report = timed(
+            pg,
+            resettable,
+            lambda: reshard_module(
+                module,
+                delta,
+                env,
+                torch.device("cpu"),
+                ReshardOptions(max_inflight_bytes=cap),
+            ),
+        )
         current = target
         check(module, expected, placements(ws, current == 1), rank)
         inflight = report.bytes_sent + report.bytes_received
@@ -476,7 +438,7 @@ def run_fork(
                     "seconds": report.seconds,
                 }
             )
-            breakdowns.append(dict(bd.seconds, total=report.seconds))
+            breakdowns.append(dict(phase_seconds(report.phases), total=report.seconds))
     moved_rows = rows * MOVED_PER_RANK
     sent = reports[-1]["bytes_sent"]
     del module
@@ -731,7 +693,7 @@ def breakdown_text(rows: List[Dict[str, Any]]) -> str:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in bd.items())
         if "total" in bd:
             other = bd["total"] - sum(v for k, v in bd.items() if k != "total")
-            parts += f", other (planning, local copies) {other:.3f}"
+            parts += f", other {other:.3f}"
         lines.append(f"  {r['size_mib']:>5} MiB {r['method']:<10} {parts}")
     text = "\n".join(lines)
     print(text, flush=True)
