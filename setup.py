@@ -60,11 +60,17 @@ def main() -> None:
         package_data=package_data(SRC, packages),
         # torch and fbgemm come from the extras (or are installed beforehand), so
         # that a CPU machine never pulls a CUDA build.
-        install_requires=["torchmetrics==1.0.3", "tqdm", "pyre-extensions", "iopath"],
+        install_requires=[
+            "torchmetrics==1.0.3",
+            "tqdm",
+            "pyre-extensions",
+            "iopath",
+            "scipy",  # the rebalancer's rank relabelling (linear_sum_assignment)
+        ],
         extras_require={
             "cpu": ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0"],
             "cuda": ["torch==2.13.0", "fbgemm-gpu==1.8.0"],
-            "test": ["pytest", "hypothesis", "numpy"],
+            "test": ["pytest", "hypothesis", "numpy", "scipy"],
         },
     )
 
