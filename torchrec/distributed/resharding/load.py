@@ -29,7 +29,7 @@ one flat tensor and all-reduces it once; ``statistics_from_vector`` (pure)
 turns the sum into a ``LoadStatistics``: per table its mean pooling factor per
 feature and ids per step, per rank its measured times. After a live reshard
 replaced a module's kernels and dists, the hooks follow the new ones (the
-module's ``_reshard_generation`` tells).
+module's ``reshard_generation`` tells).
 """
 
 import hashlib
@@ -337,7 +337,7 @@ class _ModuleMonitor:
     def _current_signature(self) -> Tuple[int, ...]:
         m = self._module
         return (
-            int(getattr(m, "_reshard_generation", 0)),
+            m.reshard_generation,
             len(getattr(m, "_input_dists", [])),
             len(getattr(m, "_lookups", [])),
             len(getattr(m, "_output_dists", [])),

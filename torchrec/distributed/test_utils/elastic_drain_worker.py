@@ -63,7 +63,6 @@ import time
 import traceback
 import uuid
 import warnings
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, IO, List, Mapping, Optional, Sequence, Tuple
@@ -76,7 +75,7 @@ from torchrec.distributed.comm import new_intra_and_cross_node_pgs
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.resharding.elastic import move_model
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.test_utils.reshard_model_utils import kernel_refs
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -362,16 +361,6 @@ def assert_trains_like(
     return losses
 
 
-def _kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
-    return [
-        weakref.ref(b.emb_module)
-        for m in model.modules()
-        if hasattr(m, "_lookups")
-        for lookup in m._lookups
-        for b in batched_kernels(lookup)
-    ]
-
-
 # ------------------------------------------------------------------ worker
 
 
@@ -488,7 +477,7 @@ def _scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
     assert_global_states_equal(state, unchanged)
     checks.append("drain without node groups: refused on every rank, nothing lost")
     say("  (a drain onto host 0 without its node groups was refused, nothing lost)")
-    refs = _kernel_refs(model)
+    refs = kernel_refs(model)
     gc.disable()  # the old model must be released at once, not by a collection
     try:
         moved = move_model(

@@ -80,6 +80,10 @@ def on_meta(module: nn.Module) -> nn.Module:
 def model_definition(
     device: str = "meta", seed: int = 1, ebc_rows: Optional[Sequence[int]] = None
 ) -> EmbeddingsModel:
+    """
+    The model (an EBC of 4 tables, an EC of 2, dense layers), seeded; on the
+    meta device unless ``device`` is ``"cpu"``.
+    """
     ebc = make_ebc(4, dims=[DIM] * 4, rows=ebc_rows, seed=seed)
     ec = make_ec(2, dim=DIM, seed=seed + 1)
     torch.manual_seed(seed + 2)
@@ -92,6 +96,7 @@ def model_definition(
 
 
 def model_specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:
+    """The table specs of the model on ``size`` ranks, placements rotated by ``shift``."""
     last = size - 1
     return {
         "ebc": {
@@ -105,6 +110,7 @@ def model_specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:
 
 
 def model_plan(size: int, shift: int) -> ShardingPlan:
+    """The ShardingPlan of :func:`model_specs` (fused kernels)."""
     model = model_definition("cpu")
     specs = model_specs(size, shift)
     return ShardingPlan(
@@ -116,10 +122,12 @@ def model_plan(size: int, shift: int) -> ShardingPlan:
 
 
 def model_sharders() -> List[Any]:
+    """The model's sharders (EBC and EC, fused row-wise Adagrad)."""
     return [make_sharder("rowwise_adagrad"), make_ec_sharder("rowwise_adagrad")]
 
 
 def make_dense_optimizer(model: nn.Module) -> KeyedOptimizerWrapper:
+    """SGD with momentum for the parameters the fused optimizer does not update."""
     return KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
@@ -138,6 +146,7 @@ def model_batch(step: int, index: int) -> Tuple[KeyedJaggedTensor, KeyedJaggedTe
 def train_model(
     model: nn.Module, optimizer: Any, step: int, index: int
 ) -> torch.Tensor:
+    """One training step of a group's ``index``-th rank; the outputs."""
     optimizer.zero_grad()
     out = model(model_batch(step, index))
     (out**2).sum().backward()
@@ -146,6 +155,10 @@ def train_model(
 
 
 def global_model_state(model: Any, optimizer: Any, pg: dist.ProcessGroup) -> Any:
+    """
+    The oracle's view of a model, gathered with plain collectives: global
+    weights, global fused optimizer state and the dense optimizer's state.
+    """
     weights = global_weights(model, pg)
     fused = global_optimizer_state(model, pg)
     return weights, fused, optimizer.state_dict()
@@ -161,6 +174,10 @@ def share_from(state: Any, src: int) -> Any:
 def reference_model(
     env: ShardingEnv, plan: ShardingPlan, state: Any
 ) -> Tuple[nn.Module, Any]:
+    """
+    The reference: the model sharded directly under ``plan`` and loaded with
+    ``state`` (from :func:`global_model_state`), with its dense optimizer.
+    """
     model = DistributedModelParallel(
         model_definition(),
         env=env,
@@ -177,6 +194,7 @@ def reference_model(
 
 
 def kernel_refs(model: nn.Module) -> List["weakref.ReferenceType[nn.Module]"]:
+    """Weak references to every batched kernel of a model (to see them freed)."""
     return [
         weakref.ref(b.emb_module)
         for m in model.modules()

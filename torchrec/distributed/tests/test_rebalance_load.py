@@ -96,9 +96,9 @@ class LoadMonitorTest(unittest.TestCase):
                     )
                 }
             )
-            generation = ebc._reshard_generation
+            generation = ebc.reshard_generation
             model.reshard(new_plan)
-            self.assertGreater(ebc._reshard_generation, generation)
+            self.assertGreater(ebc.reshard_generation, generation)
             _train(model, optimizer, batches[0])
             monitor.end_step()
             stats = monitor.collect(pg)

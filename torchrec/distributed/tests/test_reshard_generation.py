@@ -54,21 +54,21 @@ def _generations(rank: int, world_size: int, port: str, kind: str) -> None:
             module = sharder.shard(unsharded, plan_a, env, device)
         else:
             module = shard(unsharded, sharder, plan_a, env, device)
-        assert module._reshard_generation == 0
+        assert module.reshard_generation == 0
 
         sharder.reshard(module, delta(plan_a, plan_b), env, device)
-        assert module._reshard_generation == 1
+        assert module.reshard_generation == 1
         sharder.reshard(module, {}, env, device)  # changes nothing
-        assert module._reshard_generation == 1
+        assert module.reshard_generation == 1
         try:
             sharder.reshard(module, {"no_such_table": plan_b["t0"]}, env, device)
         except ReshardError:
             pass
         else:
             raise AssertionError("a request for an unknown table went through")
-        assert module._reshard_generation == 1
+        assert module.reshard_generation == 1
         sharder.reshard(module, delta(plan_b, plan_a), env, device)
-        assert module._reshard_generation == 2
+        assert module.reshard_generation == 2
 
 
 class ReshardGenerationTest(ReshardTestBase):
