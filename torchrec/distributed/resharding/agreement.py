@@ -31,8 +31,11 @@ The guarantees:
   missing global ranks;
 * a participant that missed an attempt (it was decided without it) joins the
   others at the next one, and the keys of older attempts are deleted;
-* nobody returns before every participant has read the decision, so the
-  store's host may exit right after.
+* nobody returns before every participant has read the decision, and the
+  coordinator returns last: after the others told the store they are done
+  with it. The coordinator is the lowest global rank, so the job store's
+  host (rank 0) whenever it takes part: when it returns (and its process
+  may exit, taking the store with it), nobody still waits on the store.
 
 No process group is used, so a participant that never comes leaves every
 group usable.
@@ -49,9 +52,12 @@ Keys, under a prefix derived from the participants' global ranks::
     <attempt>/decision      the decision (go, error or aborted)
     <attempt>/read          how many participants read the decision
     <attempt>/all_read      set by the last one to read it
+    <attempt>/left          how many of the others are done with the store
+    <attempt>/all_left      set by the last of them
 """
 
 import hashlib
+import logging
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,6 +73,8 @@ _GO = "go"
 _ERROR = "error"
 _ABORTED = "aborted"
 
+logger: logging.Logger = logging.getLogger(__name__)
+
 _FLAG = b"1"
 
 # Keys of one attempt that every participant shares (``post/<index>`` is not
@@ -78,6 +86,8 @@ _SHARED_KEYS: Tuple[str, ...] = (
     "decision",
     "read",
     "all_read",
+    "left",
+    "all_left",
 )
 
 
@@ -315,20 +325,45 @@ def _coordinate(
 
 
 def _wait_until_all_read(
-    store: dist.Store, attempt: _Attempt, size: int, timeout: timedelta
+    store: dist.Store, attempt: _Attempt, index: int, size: int, timeout: timedelta
 ) -> None:
     # Nobody returns (and may exit, taking the store's host with it) before
     # every participant has read the decision.
     if int(store.add(attempt.key("read"), 1)) >= size:
         store.set(attempt.key("all_read"), _FLAG)
+    else:
+        try:
+            store.wait([attempt.key("all_read")], timeout)
+        except dist.DistStoreError as e:
+            raise ReshardAbortedError(
+                "a rank left the reshard while the ranks agreed; nothing moved and "
+                "the module is unchanged"
+            ) from e
+    if index == 0:
+        _wait_until_the_others_left(store, attempt, size, timeout)
+    elif int(store.add(attempt.key("left"), 1)) >= size - 1:
+        store.set(attempt.key("all_left"), _FLAG)
+
+
+def _wait_until_the_others_left(
+    store: dist.Store, attempt: _Attempt, size: int, timeout: timedelta
+) -> None:
+    # The coordinator is the job store's host whenever it takes part: had it
+    # returned first, a participant still waiting for "all_read" could lose
+    # the store's reply when the host's process exits (seen in CI: "Failed to
+    # recv, got 0 bytes"). Every participant has read the decision already, so
+    # one that never says it is done changes no outcome: go on with it.
+    if size < 2:
         return
     try:
-        store.wait([attempt.key("all_read")], timeout)
-    except dist.DistStoreError as e:
-        raise ReshardAbortedError(
-            "a rank left the reshard while the ranks agreed; nothing moved and "
-            "the module is unchanged"
-        ) from e
+        store.wait([attempt.key("all_left")], timeout)
+    except dist.DistStoreError:
+        logger.warning(
+            "reshard agreement %s: not every participant said it was done with "
+            "the store within %s; going on (every participant read the decision)",
+            attempt.transaction,
+            timeout,
+        )
 
 
 def agree_on_store(
@@ -399,7 +434,7 @@ def agree_on_store(
         # attempt overwrites them.
         raise ReshardAbortedError(payload)
     store.delete_key(attempt.post(index))
-    _wait_until_all_read(store, attempt, size, timeout)
+    _wait_until_all_read(store, attempt, index, size, timeout)
     if kind == _ERROR:
         raise ReshardError(payload) from cause
     return Agreement(attempt.transaction, payload)

@@ -50,7 +50,7 @@ SHORT = timedelta(seconds=2)
 SLACK_S = 4.0
 BOUND = timedelta(seconds=120)
 # open 2, post 3 (+1 last, +6 first: clean attempt - 2), decide 2-3, close 1,
-# delete the post 1, read barrier 2
+# delete the post 1, read barrier 2, leave barrier 1-2
 MAX_ROUND_TRIPS = 20
 
 
@@ -312,6 +312,29 @@ class AgreementTest(unittest.TestCase):
         self.assertEqual(len(read_at), 1)
         for index, outcome in outcomes.items():
             self.assertGreaterEqual(outcome.finished, read_at[0], index)
+
+    def test_the_coordinator_returns_after_the_others_are_done(self) -> None:
+        # The coordinator hosts the job's store whenever it takes part: it must
+        # not return (and let its process exit) while another participant
+        # still waits on the store.
+        slow_leaver = 30
+        delay_s = 1.5
+        left_at: List[float] = []
+
+        def slow_add(method: str, keys: Sequence[str]) -> float:
+            if method == "add" and keys[0].endswith("/left"):
+                left_at.append(time.perf_counter() + delay_s)
+                return delay_s
+            return 0.0
+
+        stores = list(self.clients)
+        stores[slow_leaver] = CountingStore(
+            self.clients[slow_leaver], StoreTraffic(), delay=slow_add
+        )
+        outcomes = self.agree(self.participants(), GENEROUS, stores=stores)
+        self.assert_agreed(outcomes, expected_union())
+        self.assertEqual(len(left_at), 1)
+        self.assertGreaterEqual(outcomes[0].finished, left_at[0])
 
     def test_round_trips_do_not_grow_with_participants(self) -> None:
         def traffic(size: int) -> List[StoreTraffic]:
