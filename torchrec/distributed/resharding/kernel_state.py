@@ -395,11 +395,6 @@ def kept_in_place(
     return kept
 
 
-def slot_bytes(slot: LocalSlot) -> int:
-    """Bytes of every tensor of a slot."""
-    return sum(t.numel() * t.element_size() for t in slot.tensors.values())
-
-
 class SlotIO:
     """
     The executor's read/write interface (``exchange.PieceIO``) over a rank's

@@ -628,30 +628,6 @@ def reshard_modules(
     return participant.reports(outcome.phases), outcome.phases
 
 
-def dry_run_modules(
-    requests: Sequence[
-        Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
-    ],
-    env: ShardingEnv,
-    device: Optional[torch.device] = None,
-    options: Optional[ReshardOptions] = None,
-) -> DryRunReport:
-    """
-    The agreement of :func:`reshard_modules` (every rank calls it) and exactly
-    the bytes each rank would send and receive, without building or moving
-    anything.
-
-    Returns:
-        DryRunReport: the deltas, bytes per rank and the tables that move.
-    """
-    options = options or ReshardOptions()
-    participant = ModuleReshard(requests, env, device, options)
-    outcome = run_transaction(participant, options, dry_run=True)
-    report = outcome.dry_run
-    report.phases = outcome.phases
-    return report
-
-
 def reshard_module(
     module: nn.Module,
     changed_sharding_params: Mapping[str, ParameterSharding],
