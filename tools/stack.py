@@ -461,7 +461,7 @@ def cover_letter_text(
     ``$benchmark``, ``$tests``, ``$base_tag``, ``$base_commit``,
     ``$base_wheel`` and ``$max_lines`` are filled in).
     """
-    path = repo / COVER_LETTER_TEMPLATE
+    path = fl.patches_dir(repo) / Path(COVER_LETTER_TEMPLATE).name
     if path.is_file():
         subject, _, blurb = path.read_text().partition("\n")
     else:
