@@ -235,7 +235,11 @@ def check_repo(repo: Path) -> List[str]:
     if fl.upstream_tree_file(repo).is_file():
         wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
         problems += fl.upstream_problems(
-            repo, stack, fl.load_upstream_tree(repo), wheel
+            repo,
+            stack,
+            fl.load_upstream_tree(repo),
+            wheel,
+            fl.load_base(repo).replaces,
         )
     if problems:
         raise st.StackError(problems)

@@ -100,6 +100,10 @@ class BaseSpec:
             (``patches`` for the default base, ``patches/base-VERSION`` else).
         default (bool): whether it is the base built when
             ``$TORCHREC_FORK_BASE`` is unset.
+        replaces (Tuple[str, ...]): overlay files that replace a file of the
+            same path in upstream's git tree which the wheel lacks (e.g. a
+            test module of upstream code the base's series removes): the
+            build never sees upstream's file, the export must replace it.
     """
 
     name: str
@@ -108,6 +112,7 @@ class BaseSpec:
     sha256: str
     patches: str = "patches"
     default: bool = True
+    replaces: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +174,7 @@ def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
                 sha256=other["sha256"].lower(),
                 patches=other["patches"],
                 default=False,
+                replaces=tuple(other.get("replaces", ())),
             )
         )
     versions = [base.version for base in bases]
@@ -770,6 +776,7 @@ def upstream_problems(
     stack: Sequence[StackEntry],
     upstream: UpstreamTree,
     wheel_files: Mapping[str, bytes],
+    replaces: Sequence[str] = (),
 ) -> List[str]:
     """
     Whether the stack applies to upstream's git tree: every file a patch
@@ -778,7 +785,9 @@ def upstream_problems(
     upstream has, and an overlay file upstream has must be identical to it
     (the export then leaves it out; the build needs it because the wheel
     lacks it) unless a patch of the stack deletes upstream's file (the
-    overlay's then replaces it).
+    overlay's then replaces it) or the base declares that the overlay file
+    replaces upstream's (``replaces``: it must be an overlay file of the
+    stack, in upstream's tree and not in the wheel).
 
     Args:
         repo (Path): the fork repository.
@@ -821,9 +830,20 @@ def upstream_problems(
         for change in diff_changes(entry.patch.diff)
         if change.new_path is None
     }
+    introduced = {rel for entry in stack for rel in entry.files}
+    for rel in replaces:
+        if rel not in introduced:
+            problems.append(f"base.json: 'replaces' names {rel}, no overlay file")
+        elif rel not in upstream.blobs:
+            problems.append(f"base.json: 'replaces' names {rel}, which {at} lacks")
+        elif rel in wheel_files:
+            problems.append(
+                f"base.json: 'replaces' names {rel}, which the wheel has: delete "
+                f"upstream's file with a patch instead"
+            )
     for entry in stack:
         for rel in entry.files:
-            if rel in deleted:
+            if rel in deleted or rel in replaces:
                 continue
             if rel in upstream.blobs and (repo / rel).is_file():
                 blob = git_blob_id((repo / rel).read_bytes())

@@ -151,7 +151,9 @@ def checked_stack(
     problems = fl.stack_problems(repo, stack)
     upstream = fl.load_upstream_tree(repo)
     wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
-    problems += fl.upstream_problems(repo, stack, upstream, wheel)
+    problems += fl.upstream_problems(
+        repo, stack, upstream, wheel, fl.load_base(repo).replaces
+    )
     if problems:
         raise StackError(problems)
     return stack, upstream, wheel
