@@ -43,8 +43,8 @@ def base_dir(default: Path, base: fl.BaseSpec) -> Path:
     """A default directory under ``.fork/`` for ``base``: ``default`` itself
     on the default base, ``default-VERSION`` on another (so that the trees
     of the two bases never mix)."""
-    return default if base.default else default.with_name(
-        f"{default.name}-{base.version}"
+    return (
+        default if base.default else default.with_name(f"{default.name}-{base.version}")
     )
 
 

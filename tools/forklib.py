@@ -104,6 +104,8 @@ class BaseSpec:
             same path in upstream's git tree which the wheel lacks (e.g. a
             test module of upstream code the base's series removes): the
             build never sees upstream's file, the export must replace it.
+        requires (Tuple[str, ...]): what the base's wheel needs at run time
+            besides what every base needs (``setup.py``'s install_requires).
     """
 
     name: str
@@ -113,6 +115,7 @@ class BaseSpec:
     patches: str = "patches"
     default: bool = True
     replaces: Tuple[str, ...] = ()
+    requires: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +178,7 @@ def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
                 patches=other["patches"],
                 default=False,
                 replaces=tuple(other.get("replaces", ())),
+                requires=tuple(other.get("requires", ())),
             )
         )
     versions = [base.version for base in bases]
