@@ -211,8 +211,17 @@ def build_stack_repo(
     tree.mkdir(parents=True)
     fl.git(["init", "-q"], tree)
     fl.extract_upstream(fl.fetch_base_wheel(repo), tree)
+    # Overlay files upstream's tree has and the wheel lacks stand for
+    # upstream's identical files (the check verified it); an upstream file the
+    # wheel has stays upstream's (a patch of the stack deletes it), and one the
+    # base declares replaced ('replaces') is left to the entry that adds it.
     restored = sorted(
-        rel for entry in stack for rel in entry.files if rel in upstream.blobs
+        rel
+        for entry in stack
+        for rel in entry.files
+        if rel in upstream.blobs
+        and not (tree / rel).exists()
+        and rel not in base.replaces
     )
     for rel in restored:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
