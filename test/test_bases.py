@@ -90,7 +90,7 @@ def test_1_8_0_series_applies_and_is_refreshed() -> None:
     1.8.0 wheel, is refreshed, covers the overlay and applies upstream."""
     proc = run_fork(REPO, "--base", "1.8.0", "check")
     assert proc.returncode == 0, proc.stderr
-    assert "19 patch(es) apply cleanly" in proc.stdout
+    assert "20 patch(es) apply cleanly" in proc.stdout
     proc = run_fork(REPO, "check", env_base="1.8.0")
     assert proc.returncode == 0, proc.stderr
 
