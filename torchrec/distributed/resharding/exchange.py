@@ -41,7 +41,7 @@ never leaves stray messages on the groups training uses.
 import logging
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,11 +54,6 @@ from torchrec.distributed.resharding.plan import (
     ReshardAbortedError,
     Transfer,
 )
-
-try:  # Python 3.8+: structural typing for the IO interface
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    from typing_extensions import Protocol  # type: ignore
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -343,10 +338,6 @@ class WireMessage:
         return sum(f.numel(t) for t, f in self.entries)
 
 
-def _field_order(f: Field) -> Tuple[str, str]:
-    return (str(f.dtype), f.name)
-
-
 def pair_messages(
     pieces: Sequence[Transfer],
     fields: Mapping[str, Sequence[Field]],
@@ -370,7 +361,7 @@ def pair_messages(
     large: List[WireMessage] = []
     small: Dict[torch.dtype, List[Tuple[Transfer, Field]]] = {}
     for t in pieces:
-        for f in sorted(fields[t.table], key=_field_order):
+        for f in sorted(fields[t.table], key=lambda f: (str(f.dtype), f.name)):
             if f.numel(t) == 0:
                 continue
             if f.nbytes(t) >= small_bytes:
@@ -419,7 +410,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Receive:
-    """A message being received; ``buffer`` set when it must be committed."""
+    """A message being received, into a buffer to commit from or in place."""
 
     message: WireMessage
     tensor: torch.Tensor

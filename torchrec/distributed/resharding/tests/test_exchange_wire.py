@@ -21,7 +21,7 @@ process: both sides of a pair derive the same messages.
 """
 
 import unittest
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -62,32 +62,25 @@ def _reference(table: str, f: Field) -> torch.Tensor:
     return ((values * 7 + seed) % 1009).reshape(shape).to(f.dtype)
 
 
+def _whole(table: str) -> Rect:
+    rows, cols, _ = TABLES[table]
+    return Rect(0, 0, rows, cols)
+
+
 def _cut(table: str, f: Field, rect: Rect) -> torch.Tensor:
-    value = _reference(table, f)
-    if f.kind == FieldKind.RECT:
-        return value[rect.row : rect.row + rect.rows, rect.col : rect.col + rect.cols]
-    if f.kind == FieldKind.ROWS:
-        return value[rect.row : rect.row + rect.rows]
-    return value
+    return _local(_reference(table, f), f, rect, _whole(table))
 
 
 def _transfers() -> List[Transfer]:
-    def whole(table: str) -> Rect:
-        rows, cols, _ = TABLES[table]
-        return Rect(0, 0, rows, cols)
-
     wide_cols = Rect(0, 32, 256, 64)
-    return [
-        Transfer("big", 0, 1, whole("big"), whole("big"), whole("big")),
-        Transfer("wide", 0, 1, wide_cols, whole("wide"), wide_cols),
-        Transfer("tiny", 0, 1, whole("tiny"), whole("tiny"), whole("tiny")),
-        Transfer("half", 0, 1, whole("half"), whole("half"), whole("half")),
-        Transfer("back", 1, 0, whole("back"), whole("back"), whole("back")),
+    whole = [(t, 0, 1) for t in ("big", "tiny", "half")] + [("back", 1, 0)]
+    return [Transfer("wide", 0, 1, wide_cols, _whole("wide"), wide_cols)] + [
+        Transfer(t, src, dst, _whole(t), _whole(t), _whole(t)) for t, src, dst in whole
     ]
 
 
-def _local(tensor: torch.Tensor, f: Field, t: Transfer, shard: Rect) -> torch.Tensor:
-    local = t.rect.relative_to(shard)
+def _local(tensor: torch.Tensor, f: Field, rect: Rect, shard: Rect) -> torch.Tensor:
+    local = rect.relative_to(shard)
     if f.kind == FieldKind.RECT:
         return tensor[
             local.row : local.row + local.rows, local.col : local.col + local.cols
@@ -114,15 +107,15 @@ class _ShardsIO:
         self.finished = False
 
     def resolve(self, t: Transfer, f: Field) -> torch.Tensor:
-        return _local(self.old[(t.table, f.name)], f, t, t.src_rect)
+        return _local(self.old[(t.table, f.name)], f, t.rect, t.src_rect)
 
     def target(self, t: Transfer, f: Field) -> Optional[torch.Tensor]:
         if not self.with_targets:
             return None
-        return _local(self.new[(t.table, f.name)], f, t, t.dst_rect)
+        return _local(self.new[(t.table, f.name)], f, t.rect, t.dst_rect)
 
     def commit(self, t: Transfer, f: Field, data: torch.Tensor) -> None:
-        into = _local(self.new[(t.table, f.name)], f, t, t.dst_rect)
+        into = _local(self.new[(t.table, f.name)], f, t.rect, t.dst_rect)
         into.copy_(data.view(into.shape))
 
     def kept(self, t: Transfer) -> bool:
@@ -160,14 +153,13 @@ def _run_wire(rank: int, world_size: int, port: str, with_targets: bool) -> None
         io = _ShardsIO(rank, with_targets)
         stats = execute_transfers(plan, _fields(), io, group)
         assert io.finished
-        for (table, name), value in io.new.items():
-            f = next(f for f in TABLES[table][2] if f.name == name)
-            t = next(x for x in transfers if x.table == table)
-            expected = _cut(table, f, t.dst_rect)
-            assert torch.equal(value, expected), f"rank {rank}: {table}.{name} differs"
-        sent = sum(_nbytes(t.table, f) for t in plan.sends for f in TABLES[t.table][2])
-        received = sum(
-            _nbytes(t.table, f) for t in plan.receives for f in TABLES[t.table][2]
+        for t in plan.receives:
+            for f in TABLES[t.table][2]:
+                value = io.new[(t.table, f.name)]
+                assert torch.equal(value, _cut(t.table, f, t.dst_rect)), (t, f)
+        sent, received = (
+            sum(f.nbytes(t) for t in ts for f in TABLES[t.table][2])
+            for ts in (plan.sends, plan.receives)
         )
         assert (stats.bytes_sent, stats.bytes_received) == (sent, received), stats
         _check_in_place(rank, stats, with_targets)
@@ -210,8 +202,8 @@ class PairMessagesTest(unittest.TestCase):
         self.assertEqual(
             entries,
             [
-                [("big", "weight")],
                 [("wide", "weight")],
+                [("big", "weight")],
                 [("half", "weight")],
                 [("big", "sum"), ("tiny", "sum"), ("tiny", "weight")],
             ],
@@ -233,12 +225,9 @@ class PairMessagesTest(unittest.TestCase):
             self.assertCountEqual(carried, expected)
 
     def test_both_sides_derive_the_same_messages(self) -> None:
-        pieces = _transfers()
-        fields: Mapping[str, Sequence[Field]] = _fields()
-        reordered = {k: tuple(reversed(v)) for k, v in fields.items()}
-        self.assertEqual(
-            pair_messages(pieces, fields), pair_messages(pieces, reordered)
-        )
+        reordered = {k: tuple(reversed(v)) for k, v in _fields().items()}
+        messages = pair_messages(_transfers(), _fields())
+        self.assertEqual(messages, pair_messages(_transfers(), reordered))
 
 
 if __name__ == "__main__":
