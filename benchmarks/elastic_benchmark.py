@@ -624,6 +624,7 @@ def run_live(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str, 
             "tables": report.tables,
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
+            "bytes_received_in_place": report.bytes_received_in_place,
             "bytes_copied_locally": report.bytes_copied_locally,
             "bytes_kept_in_place": report.bytes_kept_in_place,
             "bytes_released": report.bytes_released,
@@ -958,6 +959,7 @@ def summarise(
                             "role",
                             "bytes_sent",
                             "bytes_received",
+                            "bytes_received_in_place",
                             "bytes_copied_locally",
                             "bytes_kept_in_place",
                             "bytes_released",
@@ -1064,7 +1066,8 @@ def bytes_text(rows: List[Dict[str, Any]], required: Dict[str, Any]) -> str:
             lines.append(
                 f"    rank {rank} ({b['role']:<6}) sent {b['bytes_sent']:>11} "
                 f"(dry run {want['sent'][rank]:>11}), received "
-                f"{b['bytes_received']:>11} (dry run {want['received'][rank]:>11}), "
+                f"{b['bytes_received']:>11} (dry run {want['received'][rank]:>11}; "
+                f"{b['bytes_received_in_place']} straight into the new kernels), "
                 f"stayed {b['bytes_copied_locally'] + b['bytes_kept_in_place']:>11} "
                 f"(dry run {want['copied_locally'][rank]:>11}; copied "
                 f"{b['bytes_copied_locally']}, kept in place "

@@ -124,6 +124,8 @@ class MoveReport:
         tables (int): tables moved.
         bytes_sent (int): table bytes this rank sent to other ranks.
         bytes_received (int): table bytes this rank received.
+        bytes_received_in_place (int): of ``bytes_received``, the bytes that
+            arrived straight in the new kernels' memory (not via a buffer).
         bytes_copied_locally (int): table bytes that stayed on this rank and
             were copied into the new model.
         bytes_kept_in_place (int): table bytes that stayed on this rank in the
@@ -141,6 +143,7 @@ class MoveReport:
     tables: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_received_in_place: int = 0
     bytes_copied_locally: int = 0
     bytes_kept_in_place: int = 0
     bytes_released: int = 0
@@ -151,6 +154,7 @@ class MoveReport:
     def add_exchange(self, stats: ExchangeStats) -> None:
         self.bytes_sent += stats.bytes_sent
         self.bytes_received += stats.bytes_received
+        self.bytes_received_in_place += stats.bytes_received_in_place
         self.bytes_copied_locally += stats.bytes_copied_locally
         self.bytes_kept_in_place += stats.bytes_kept_in_place
 
@@ -629,13 +633,15 @@ def move_model(
     report = participant.report
     report.finish(outcome.phases)
     logger.info(
-        "model move rank %d (%s): %d tables, sent %d B, received %d B, copied "
-        "locally %d B, kept in place %d B, dense %d B in %.3f s",
+        "model move rank %d (%s): %d tables, sent %d B, received %d B (%d B "
+        "straight into the new kernels), copied locally %d B, kept in place %d B,"
+        " dense %d B in %.3f s",
         report.rank,
         report.role,
         report.tables,
         report.bytes_sent,
         report.bytes_received,
+        report.bytes_received_in_place,
         report.bytes_copied_locally,
         report.bytes_kept_in_place,
         report.dense_bytes,

@@ -18,18 +18,20 @@ spirit of DCP's ``resolve_tensor`` / ``commit_tensor``) and the group:
 
 * pieces that stay on the rank are copied locally, unless the new shard
   already holds them in the old storage;
-* the others travel by ``all_to_all_single``, one per round and per (dtype,
-  field); each rank packs the pieces of each destination in plan order into one
-  contiguous buffer (none when they already lie back to back in one storage,
-  and none on the receiving side when the destinations do), with exact split
-  sizes. The sender and the receiver of a piece derive its place in the buffer
-  from their own parts of the plan, which list the pieces of each pair of
-  ranks in the same order.
+* the others travel as point-to-point messages, posted together per round
+  (``batch_isend_irecv``): one per field of each large piece, one per dtype
+  for each pair's small pieces packed together (:func:`pair_messages`). A
+  message is sent straight from the old shard's memory and received straight
+  into the new shard's wherever its pieces are one contiguous span there, so
+  the bytes of a move are not copied on either side; only the others go
+  through a buffer. The sender and the receiver of a message derive it from
+  their own parts of the plan, which list the pieces of each pair of ranks in
+  the same order; a message's tag is its place in the pair's list.
 
 A memory cap splits the exchange into rounds: every pair of ranks sends at
 most ``cap / peers`` bytes per round (``peers``: the most distinct peers any
 rank has, one small all-reduce), cutting pieces into row bands where needed,
-so that no rank holds more than the cap in buffers; a second all-reduce agrees
+so that no rank holds more than the cap in buffers (where it needs any); a second all-reduce agrees
 on the number of rounds. Both sides of a pair cut its pieces alike.
 
 :func:`open_exchange_group` makes the transaction's group; a failed exchange
@@ -39,12 +41,12 @@ never leaves stray messages on the groups training uses.
 import logging
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from torchrec.distributed.resharding.fields import Field, FieldKind, wire_groups
+from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.memory import release_buffer
 from torchrec.distributed.resharding.plan import (
     RankPlan,
@@ -52,11 +54,6 @@ from torchrec.distributed.resharding.plan import (
     ReshardAbortedError,
     Transfer,
 )
-
-try:  # Python 3.8+: structural typing for the IO interface
-    from typing import Protocol
-except ImportError:  # pragma: no cover
-    from typing_extensions import Protocol  # type: ignore
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -100,6 +97,10 @@ class ExchangeStats:
     Args:
         bytes_sent (int): bytes sent to other ranks.
         bytes_received (int): bytes received from other ranks.
+        bytes_sent_in_place (int): of ``bytes_sent``, bytes sent straight from
+            the old shards' memory (not packed into a buffer first).
+        bytes_received_in_place (int): of ``bytes_received``, bytes received
+            straight into the new shards' memory (not through a buffer).
         bytes_copied_locally (int): bytes of local pieces copied.
         bytes_kept_in_place (int): bytes of local pieces the new shards held
             already (neither copied nor written).
@@ -108,6 +109,8 @@ class ExchangeStats:
 
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_sent_in_place: int = 0
+    bytes_received_in_place: int = 0
     bytes_copied_locally: int = 0
     bytes_kept_in_place: int = 0
     rounds: int = 0
@@ -300,26 +303,76 @@ def _plan_rounds(
 
 def _round_pieces(
     by_peer: Mapping[int, List[List[Transfer]]], k: int
-) -> List[Transfer]:
-    """The pieces of round ``k``, by peer rank then plan order."""
-    out: List[Transfer] = []
-    for peer in sorted(by_peer):
-        chunks = by_peer[peer]
-        if k < len(chunks):
-            out.extend(chunks[k])
-    return out
+) -> Dict[int, List[Transfer]]:
+    """Per peer, the pieces of round ``k`` in plan order."""
+    return {peer: chunks[k] for peer, chunks in by_peer.items() if k < len(chunks)}
 
 
 # ---------------------------------------------------------------- the wire
 
+# A piece's field smaller than this travels packed with the pair's other small
+# pieces of its dtype (one message instead of many tiny ones); a larger one is
+# a message of its own, sent from and received into the kernels' memory.
+SMALL_MESSAGE_BYTES: int = 64 * 1024
 
-def _field_named(
-    fields: Sequence[Field], dtype: torch.dtype, name: str
-) -> Optional[Field]:
-    for f in fields:
-        if f.dtype == dtype and f.name == name:
-            return f
-    return None
+
+@dataclass(frozen=True)
+class WireMessage:
+    """
+    One point-to-point message between a pair of ranks in one round: one
+    field of one large piece, or the small pieces' fields of one dtype packed
+    in order.
+
+    Args:
+        dtype (torch.dtype): element type of every entry.
+        entries (Tuple[Tuple[Transfer, Field], ...]): the (piece, field) pairs
+            it carries, in order.
+    """
+
+    dtype: torch.dtype
+    entries: Tuple[Tuple[Transfer, Field], ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the message."""
+        return sum(f.numel(t) for t, f in self.entries)
+
+
+def pair_messages(
+    pieces: Sequence[Transfer],
+    fields: Mapping[str, Sequence[Field]],
+    small_bytes: int = SMALL_MESSAGE_BYTES,
+) -> List[WireMessage]:
+    """
+    The messages of one pair of ranks in one round, the same on both sides:
+    both derive them from their parts of the plan, which list the pair's
+    pieces in the same order. Pure and deterministic.
+
+    Args:
+        pieces (Sequence[Transfer]): the pair's pieces of the round, in order.
+        fields (Mapping[str, Sequence[Field]]): the fields of every table.
+        small_bytes (int): a field of a piece below this many bytes travels
+            packed with the pair's other small ones of its dtype.
+
+    Returns:
+        List[WireMessage]: the large messages in piece and field order, then
+        one packed message per dtype of small ones.
+    """
+    large: List[WireMessage] = []
+    small: Dict[torch.dtype, List[Tuple[Transfer, Field]]] = {}
+    for t in pieces:
+        for f in sorted(fields[t.table], key=lambda f: (str(f.dtype), f.name)):
+            if f.numel(t) == 0:
+                continue
+            if f.nbytes(t) >= small_bytes:
+                large.append(WireMessage(f.dtype, ((t, f),)))
+            else:
+                small.setdefault(f.dtype, []).append((t, f))
+    packed = [
+        WireMessage(dtype, tuple(entries))
+        for dtype, entries in sorted(small.items(), key=lambda kv: str(kv[0]))
+    ]
+    return large + packed
 
 
 def _flat_span(
@@ -355,8 +408,23 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t
 
 
+@dataclass
+class _Receive:
+    """A message being received, into a buffer to commit from or in place."""
+
+    message: WireMessage
+    tensor: torch.Tensor
+    buffered: bool
+
+
 class _Wire:
-    """One all-to-all of one (dtype, field) of one round."""
+    """
+    The messages of one round: every pair's pieces travel as point-to-point
+    messages (:func:`pair_messages`), sent straight from the old shards' memory
+    and received straight into the new shards' wherever a message's pieces are
+    one contiguous span there; a message is packed into (or received into) a
+    buffer only where they are not.
+    """
 
     def __init__(
         self,
@@ -369,82 +437,97 @@ class _Wire:
         self._io = io
         self._group = group
         self._device = device
-        self._world = dist.get_world_size(group)
 
-    def _pieces(
-        self,
-        transfers: Sequence[Transfer],
-        dtype: torch.dtype,
-        name: str,
-        outgoing: bool,
-    ) -> Tuple[List[Tuple[Transfer, Field]], List[int]]:
-        pieces: List[Tuple[Transfer, Field]] = []
-        splits = [0] * self._world
-        for t in transfers:
-            f = _field_named(self._fields[t.table], dtype, name)
-            if f is not None:
-                pieces.append((t, f))
-                splits[t.dst_rank if outgoing else t.src_rank] += f.numel(t)
-        return pieces, splits
+    def _outgoing(self, message: WireMessage) -> Tuple[torch.Tensor, bool]:
+        """The tensor a message is sent from, and whether it is a buffer."""
+        sources = [_flat(self._io.resolve(t, f)) for t, f in message.entries]
+        span = _flat_span(sources, message.dtype, self._device)
+        if span is not None:
+            return span, False
+        buffer = torch.empty(message.numel, dtype=message.dtype, device=self._device)
+        offset = 0
+        for source in sources:
+            n = source.numel()
+            buffer[offset : offset + n].view(source.shape).copy_(source)
+            offset += n
+        return buffer, True
 
-    def send(
-        self,
-        sends: Sequence[Transfer],
-        receives: Sequence[Transfer],
-        dtype: torch.dtype,
-        name: str,
-    ) -> Tuple[int, int]:
-        out, send_splits = self._pieces(sends, dtype, name, outgoing=True)
-        into, recv_splits = self._pieces(receives, dtype, name, outgoing=False)
-        sources = [self._io.resolve(t, f) for t, f in out]
-        send_buffer = _flat_span([_flat(s) for s in sources], dtype, self._device)
-        packed = send_buffer is None
-        if send_buffer is None:
-            send_buffer = torch.empty(
-                sum(send_splits), dtype=dtype, device=self._device
+    def _incoming(self, message: WireMessage) -> _Receive:
+        """Where a message is received: the new shards' memory, or a buffer."""
+        targets = [self._io.target(t, f) for t, f in message.entries]
+        if all(
+            x is not None and x.numel() == f.numel(t)
+            for x, (t, f) in zip(targets, message.entries)
+        ):
+            span = _flat_span(
+                [_flat(x) for x in targets if x is not None],
+                message.dtype,
+                self._device,
             )
-            offset = 0
-            for (t, f), source in zip(out, sources):
-                n = f.numel(t)
-                send_buffer[offset : offset + n].view(source.shape).copy_(source)
-                offset += n
-        del sources
+            if span is not None:
+                return _Receive(message, span, buffered=False)
+        buffer = torch.empty(message.numel, dtype=message.dtype, device=self._device)
+        return _Receive(message, buffer, buffered=True)
 
-        recv_buffer: Optional[torch.Tensor] = None
-        if into:
-            targets = [self._io.target(t, f) for t, f in into]
-            if all(
-                x is not None and x.numel() == f.numel(t)
-                for x, (t, f) in zip(targets, into)
-            ):
-                recv_buffer = _flat_span(
-                    [_flat(x) for x in targets if x is not None], dtype, self._device
+    def _commit(self, receive: _Receive) -> None:
+        offset = 0
+        for t, f in receive.message.entries:
+            n = f.numel(t)
+            self._io.commit(t, f, receive.tensor[offset : offset + n])
+            offset += n
+        release_buffer(receive.tensor)
+
+    def run(
+        self,
+        sends: Mapping[int, Sequence[Transfer]],
+        receives: Mapping[int, Sequence[Transfer]],
+        stats: ExchangeStats,
+    ) -> None:
+        """
+        Exchanges one round's pieces with every peer.
+
+        Args:
+            sends (Mapping[int, Sequence[Transfer]]): peer -> pieces it gets.
+            receives (Mapping[int, Sequence[Transfer]]): peer -> pieces from it.
+            stats (ExchangeStats): updated with the bytes moved.
+
+        Returns:
+            None
+        """
+        ops: List[dist.P2POp] = []
+        incoming: List[_Receive] = []
+        outgoing: List[Tuple[torch.Tensor, bool]] = []
+        # every receive is posted before any send: no pair waits on another.
+        # Peers are group-local ranks (the plan numbers ranks in the group).
+        for peer in sorted(receives):
+            for tag, message in enumerate(pair_messages(receives[peer], self._fields)):
+                receive = self._incoming(message)
+                incoming.append(receive)
+                ops.append(
+                    dist.P2POp(dist.irecv, receive.tensor, None, self._group, tag, peer)
                 )
-            del targets
-        direct = recv_buffer is not None
-        if recv_buffer is None:
-            recv_buffer = torch.empty(
-                sum(recv_splits), dtype=dtype, device=self._device
-            )
-        dist.all_to_all_single(
-            recv_buffer,
-            send_buffer,
-            output_split_sizes=recv_splits,
-            input_split_sizes=send_splits,
-            group=self._group,
-        )
-        if packed:
-            release_buffer(send_buffer)
-        del send_buffer
-        if not direct:
-            offset = 0
-            for t, f in into:
-                n = f.numel(t)
-                self._io.commit(t, f, recv_buffer[offset : offset + n])
-                offset += n
-            release_buffer(recv_buffer)
-        itemsize = dtype.itemsize
-        return sum(send_splits) * itemsize, sum(recv_splits) * itemsize
+                nbytes = message.numel * message.dtype.itemsize
+                stats.bytes_received += nbytes
+                if not receive.buffered:
+                    stats.bytes_received_in_place += nbytes
+        for peer in sorted(sends):
+            for tag, message in enumerate(pair_messages(sends[peer], self._fields)):
+                tensor, buffered = self._outgoing(message)
+                outgoing.append((tensor, buffered))
+                ops.append(dist.P2POp(dist.isend, tensor, None, self._group, tag, peer))
+                nbytes = message.numel * message.dtype.itemsize
+                stats.bytes_sent += nbytes
+                if not buffered:
+                    stats.bytes_sent_in_place += nbytes
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for tensor, buffered in outgoing:
+            if buffered:
+                release_buffer(tensor)
+        for receive in incoming:
+            if receive.buffered:
+                self._commit(receive)
 
 
 def _copy_local(
@@ -498,14 +581,12 @@ def execute_transfers(
         _copy_local(plan, fields, io, stats)
         rounds = _plan_rounds(plan, fields, group, max_inflight_bytes)
         wire = _Wire(fields, io, group, device)
-        pairs = wire_groups(fields)
         for k in range(rounds.count):
-            sends = _round_pieces(rounds.sends, k)
-            receives = _round_pieces(rounds.receives, k)
-            for dtype, name in pairs:
-                sent, received = wire.send(sends, receives, dtype, name)
-                stats.bytes_sent += sent
-                stats.bytes_received += received
+            wire.run(
+                _round_pieces(rounds.sends, k),
+                _round_pieces(rounds.receives, k),
+                stats,
+            )
             if on_round is not None:
                 on_round(k + 1, rounds.count)
         stats.rounds = rounds.count

@@ -21,7 +21,7 @@ stays as large as the tables, not as the world.
 
 import enum
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Sequence, Tuple
+from typing import Dict, Iterable, Mapping, Sequence, Tuple
 
 import torch
 from torchrec.distributed.resharding.plan import PieceCost, Transfer
@@ -144,22 +144,3 @@ def merge_table_facts(all_facts: Sequence[TableFacts]) -> TableFacts:
             merged.learning_rates.setdefault(table, lr)
         merged.optimizer_iter = max(merged.optimizer_iter, facts.optimizer_iter)
     return merged
-
-
-def wire_groups(fields: Mapping[str, Sequence[Field]]) -> List[Tuple[torch.dtype, str]]:
-    """
-    The (dtype, field name) pairs of a set of tables, in a canonical order:
-    the exchange sends one collective per pair (the pieces of one field of
-    consecutive tables usually lie back to back in one storage).
-
-    Args:
-        fields (Mapping[str, Sequence[Field]]): the fields of every table.
-
-    Returns:
-        List[Tuple[torch.dtype, str]]: the pairs, the same on every rank that
-        has the same fields.
-    """
-    groups = {
-        (f.dtype, f.name) for table_fields in fields.values() for f in table_fields
-    }
-    return sorted(groups, key=lambda g: (str(g[0]), g[1]))

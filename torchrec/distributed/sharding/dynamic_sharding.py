@@ -135,8 +135,9 @@ def shards_all_to_all(
 ) -> Tuple[List[str], torch.Tensor]:
     """
     Sends the pieces of the changed tables' weights from their current owners to
-    their new owners with one ``all_to_all_single`` per dtype on
-    ``env.process_group``. Pieces that stay on a rank are not sent.
+    their new owners through the resharding executor on
+    ``env.process_group`` (point-to-point messages between each pair of
+    ranks). Pieces that stay on a rank are not sent.
 
     Args:
         module (torch.nn.Module): the sharded module (unused by the exchange;

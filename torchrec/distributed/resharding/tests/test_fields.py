@@ -9,8 +9,8 @@
 
 """
 One-process tests of the state model: how each field of a table follows a
-piece's rectangle, what a piece costs on the wire, the canonical order of the
-exchange's collectives, and the union of the ranks' table facts.
+piece's rectangle, what a piece costs on the wire, and the union of the
+ranks' table facts.
 """
 
 import unittest
@@ -23,7 +23,6 @@ from torchrec.distributed.resharding.fields import (
     merge_table_facts,
     piece_cost,
     TableFacts,
-    wire_groups,
 )
 from torchrec.distributed.resharding.plan import Rect, Transfer
 
@@ -51,19 +50,6 @@ class FieldsTest(unittest.TestCase):
         cost = piece_cost(FIELDS["b"] + FIELDS["c"][1:])
         self.assertEqual((cost.per_element, cost.per_row, cost.per_piece), (2, 4, 8))
         self.assertEqual(cost.of(t.rect), 12 * 2 + 3 * 4 + 8)
-
-    def test_wire_groups_are_canonical(self) -> None:
-        self.assertEqual(
-            wire_groups(FIELDS),
-            [
-                (torch.float16, "weight"),
-                (torch.float32, "sum"),
-                (torch.float32, "weight"),
-                (torch.int64, "iter"),
-            ],
-        )
-        reordered = dict(reversed(list(FIELDS.items())))
-        self.assertEqual(wire_groups(reordered), wire_groups(FIELDS))
 
     def test_facts_merge_by_union_lowest_rank_first(self) -> None:
         weight = Field("weight", RECT, torch.float32)
