@@ -5,6 +5,10 @@
 sha256, extracts it into build/fork-src/, applies patches/series in order,
 copies the files under torchrec/ and packages the result as ``torchrec`` with
 the version in version.txt.
+
+``TORCHREC_FORK_BASE=1.8.0 pip install .`` builds on another base of base.json
+instead: its wheel, its series (patches/base-1.8.0/series), the same overlay,
+in build/fork-src-1.8.0/, as version 1.8.0+<version.txt's local part>.
 """
 
 from __future__ import annotations
@@ -20,7 +24,11 @@ sys.path.insert(0, str(HERE))
 
 from tools import forklib  # noqa: E402
 
-SRC: Path = HERE / "build" / "fork-src"
+
+def source_dir(base: forklib.BaseSpec) -> Path:
+    """Where the fork is materialised for ``base`` (one folder per base)."""
+    name = "fork-src" if base.default else f"fork-src-{base.version}"
+    return HERE / "build" / name
 
 
 def package_data(src: Path, packages: List[str]) -> Dict[str, List[str]]:
@@ -41,23 +49,28 @@ def package_data(src: Path, packages: List[str]) -> Dict[str, List[str]]:
 def main() -> None:
     """Materialise the fork and hand it to setuptools."""
     try:
-        forklib.build_source_tree(SRC, HERE)
+        base = forklib.load_base(HERE)
+        src = source_dir(base)
+        forklib.build_source_tree(src, HERE)
         version = forklib.fork_version(HERE)
     except forklib.ForkError as exc:
         sys.exit(f"torchrec fork build failed: {exc}")
     readme = HERE / "README.md"
-    packages = find_packages(str(SRC), include=["torchrec", "torchrec.*"])
+    packages = find_packages(str(src), include=["torchrec", "torchrec.*"])
     setup(
         name="torchrec",
         version=version,
-        description="TorchRec 1.1.0 with live resharding of sharded embeddings",
+        description=f"TorchRec {base.version} with live resharding of sharded embeddings",
         long_description=readme.read_text() if readme.exists() else "",
         long_description_content_type="text/markdown",
         license="BSD-3-Clause",
         python_requires=">=3.11",
-        package_dir={"": str(SRC.relative_to(HERE))},
+        package_dir={"": str(src.relative_to(HERE))},
         packages=packages,
-        package_data=package_data(SRC, packages),
+        package_data=package_data(src, packages),
+        # setuptools' own build folder, one per base too: build/lib would
+        # otherwise carry the other base's modules into this one's wheel
+        options={"build": {"build_base": str(src.parent / f"setuptools-{src.name}")}},
         # torch and fbgemm come from the extras (or are installed beforehand), so
         # that a CPU machine never pulls a CUDA build.
         install_requires=[
@@ -66,7 +79,8 @@ def main() -> None:
             "pyre-extensions",
             "iopath",
             "scipy",  # the rebalancer's rank relabelling (linear_sum_assignment)
-        ],
+        ]
+        + list(base.requires),
         extras_require={
             "cpu": ["torch==2.13.0", "fbgemm-gpu-cpu==1.8.0"],
             "cuda": ["torch==2.13.0", "fbgemm-gpu==1.8.0"],

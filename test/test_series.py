@@ -59,12 +59,16 @@ def test_series_applies_and_is_refreshed() -> None:
 
 
 def test_refresh_is_a_noop(repo_copy: Path) -> None:
-    before = {p.name: p.read_text() for p in (repo_copy / "patches").iterdir()}
+    before = {
+        p.name: p.read_text() for p in (repo_copy / "patches").iterdir() if p.is_file()
+    }
     tree = repo_copy / ".fork" / "tree"
     assert run_fork(repo_copy, "materialize", str(tree)).returncode == 0
     proc = run_fork(repo_copy, "refresh", "--dir", str(tree))
     assert proc.returncode == 0, proc.stderr
-    after = {p.name: p.read_text() for p in (repo_copy / "patches").iterdir()}
+    after = {
+        p.name: p.read_text() for p in (repo_copy / "patches").iterdir() if p.is_file()
+    }
     assert after == before
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,15 @@ setup(
 # --------------------------------------------------------------------------- helpers
 
 
+def base_dir(default: Path, base: fl.BaseSpec) -> Path:
+    """A default directory under ``.fork/`` for ``base``: ``default`` itself
+    on the default base, ``default-VERSION`` on another (so that the trees
+    of the two bases never mix)."""
+    return (
+        default if base.default else default.with_name(f"{default.name}-{base.version}")
+    )
+
+
 def sync_overlay(repo: Path, tree: Path) -> None:
     """(Re)link the repo's overlay files into ``tree`` and keep git blind to them."""
     for path in tree.joinpath(fl.PACKAGE).rglob("*"):
@@ -57,13 +67,15 @@ def materialize_tree(
     """Create ``tree``: a git repo with pristine upstream as the first commit
     and one commit per patch, plus the overlay files. Returns the commits."""
     fl.init_upstream_repo(tree, repo)
-    if symlink_overlay:
-        sync_overlay(repo, tree)
     commits: List[str] = []
     for patch in fl.load_series(repo):
         fl.apply_patch(tree, patch)
         commits.append(fl.commit_all(tree, patch.message, allow_empty=True))
-    if not symlink_overlay:
+    # The overlay goes in after the series: a base's series may delete an
+    # upstream file that an overlay file replaces.
+    if symlink_overlay:
+        sync_overlay(repo, tree)
+    else:
         fl.copy_overlay(repo, tree)
     return commits
 
@@ -89,7 +101,7 @@ def is_dirty(tree: Path) -> bool:
 
 def write_patch(repo: Path, name: str, patch: fl.Patch) -> bool:
     """Write ``patches/NAME``; returns whether its content changed."""
-    path = repo / "patches" / name
+    path = fl.patches_dir(repo) / name
     text = patch.render()
     if path.exists() and path.read_text() == text:
         return False
@@ -167,7 +179,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         commits = require_tree(tree, repo)
     changed = 0
     for name, commit in zip(names, commits):
-        old = fl.parse_patch(repo / "patches" / name)
+        old = fl.parse_patch(fl.patches_dir(repo) / name)
         new = fl.Patch(name, old.subject, old.body, fl.diff_commit(tree, commit))
         if write_patch(repo, name, new):
             print(f"refreshed patches/{name}")
@@ -182,7 +194,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     repo: Path = args.repo
     tree: Path = args.dir.resolve()
     name: str = args.name if args.name.endswith(".patch") else args.name + ".patch"
-    if name in fl.read_series(repo) or (repo / "patches" / name).exists():
+    if name in fl.read_series(repo) or (fl.patches_dir(repo) / name).exists():
         raise fl.ForkError(f"patches/{name} already exists")
     require_tree(tree, repo)
     sync_overlay(repo, tree)
@@ -193,7 +205,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     commit = fl.commit_all(tree, patch.message)
     patch = dataclasses.replace(patch, diff=fl.diff_commit(tree, commit))
     write_patch(repo, name, patch)
-    series = repo / "patches" / "series"
+    series = fl.patches_dir(repo) / "series"
     text = series.read_text() if series.exists() else ""
     if text and not text.endswith("\n"):
         text += "\n"
@@ -223,7 +235,11 @@ def check_repo(repo: Path) -> List[str]:
     if fl.upstream_tree_file(repo).is_file():
         wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
         problems += fl.upstream_problems(
-            repo, stack, fl.load_upstream_tree(repo), wheel
+            repo,
+            stack,
+            fl.load_upstream_tree(repo),
+            wheel,
+            fl.load_base(repo).replaces,
         )
     if problems:
         raise st.StackError(problems)
@@ -357,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=fl.REPO_ROOT,
         help="fork repository root (default: this checkout)",
     )
+    parser.add_argument(
+        "--base",
+        metavar="VERSION",
+        help=f"the base of base.json to work on (default: ${fl.BASE_ENV}, else "
+        "the default base); a base other than the default has its series in "
+        "its own folder (base.json's 'patches') and its own .fork/NAME-VERSION "
+        "default directories",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def tree_arg(p: argparse.ArgumentParser, default: Path = DEFAULT_TREE) -> None:
@@ -364,10 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
             "dir",
             nargs="?",
             type=Path,
-            default=default,
+            default=None,
             metavar="DIR",
-            help=f"working tree (default: {default.relative_to(fl.REPO_ROOT)})",
+            help=f"working tree (default: {default.relative_to(fl.REPO_ROOT)}, "
+            f"with -VERSION on another base)",
         )
+        p.set_defaults(default_dir=default)
 
     p = sub.add_parser(
         "materialize",
@@ -406,10 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dir",
         type=Path,
-        default=DEFAULT_TREE,
-        help="working tree (default: .fork/tree)",
+        default=None,
+        help="working tree (default: .fork/tree, with -VERSION on another base)",
     )
-    p.set_defaults(func=cmd_refresh)
+    p.set_defaults(func=cmd_refresh, default_dir=DEFAULT_TREE)
 
     p = sub.add_parser(
         "new",
@@ -426,10 +452,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dir",
         type=Path,
-        default=DEFAULT_TREE,
-        help="working tree (default: .fork/tree)",
+        default=None,
+        help="working tree (default: .fork/tree, with -VERSION on another base)",
     )
-    p.set_defaults(func=cmd_new)
+    p.set_defaults(func=cmd_new, default_dir=DEFAULT_TREE)
 
     p = sub.add_parser(
         "check",
@@ -544,7 +570,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the CLI; errors print one line to stderr and return 1."""
     args = build_parser().parse_args(argv)
     args.repo = args.repo.resolve()
+    if args.base:
+        # The environment, not a parameter: the interpreters and pip builds the
+        # commands start (bisect-check, develop) build on the same base.
+        os.environ[fl.BASE_ENV] = args.base
     try:
+        base = fl.load_base(args.repo)
+        if getattr(args, "default_dir", None) is not None and args.dir is None:
+            args.dir = base_dir(args.default_dir, base)
         return int(args.func(args))
     except fl.ForkError as exc:
         print(f"error: {exc}", file=sys.stderr)

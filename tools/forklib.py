@@ -35,6 +35,9 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 REPO_ROOT: Path = Path(__file__).resolve().parent.parent
 PACKAGE: str = "torchrec"
 WHEEL_ENV: str = "TORCHREC_FORK_BASE_WHEEL"
+# Which base of base.json to build on (its version, e.g. 1.8.0); unset: the
+# default base.
+BASE_ENV: str = "TORCHREC_FORK_BASE"
 CACHE_ENV: str = "TORCHREC_FORK_CACHE_DIR"
 # Tool caches that may appear under torchrec/: never part of the overlay.
 IGNORED_PARTS: frozenset = frozenset(
@@ -85,12 +88,34 @@ class PatchError(ForkError):
 
 @dataclasses.dataclass(frozen=True)
 class BaseSpec:
-    """The pinned upstream release wheel."""
+    """
+    A pinned upstream release wheel and the series of patches made for it.
+
+    Args:
+        name (str): the distribution's name (``torchrec``).
+        version (str): the release, e.g. ``1.1.0``.
+        wheel (str): the wheel's file name.
+        sha256 (str): the wheel's sha256 (hex).
+        patches (str): the folder of its series, relative to the repository
+            (``patches`` for the default base, ``patches/base-VERSION`` else).
+        default (bool): whether it is the base built when
+            ``$TORCHREC_FORK_BASE`` is unset.
+        replaces (Tuple[str, ...]): overlay files that replace a file of the
+            same path in upstream's git tree which the wheel lacks (e.g. a
+            test module of upstream code the base's series removes): the
+            build never sees upstream's file, the export must replace it.
+        requires (Tuple[str, ...]): what the base's wheel needs at run time
+            besides what every base needs (``setup.py``'s install_requires).
+    """
 
     name: str
     version: str
     wheel: str
     sha256: str
+    patches: str = "patches"
+    default: bool = True
+    replaces: Tuple[str, ...] = ()
+    requires: Tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,26 +143,105 @@ class Patch:
 # --------------------------------------------------------------------------- repo
 
 
-def load_base(repo: Path = REPO_ROOT) -> BaseSpec:
-    """Read the base pin from ``base.json``."""
+def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
+    """
+    Every base ``base.json`` pins, the default first. The file's top-level
+    ``name``, ``version``, ``wheel`` and ``sha256`` are the default base (its
+    series is ``patches/``); each entry of its ``other_bases`` list is another
+    base with the same keys plus ``patches``, the folder of its own series.
+
+    Args:
+        repo (Path): the fork repository.
+
+    Returns:
+        List[BaseSpec]: the bases.
+
+    Raises:
+        ForkError: when two bases have the same version.
+    """
     data = json.loads((repo / "base.json").read_text())
-    return BaseSpec(
-        name=data["name"],
-        version=data["version"],
-        wheel=data["wheel"],
-        sha256=data["sha256"].lower(),
+    bases = [
+        BaseSpec(
+            name=data["name"],
+            version=data["version"],
+            wheel=data["wheel"],
+            sha256=data["sha256"].lower(),
+        )
+    ]
+    for other in data.get("other_bases", []):
+        bases.append(
+            BaseSpec(
+                name=other["name"],
+                version=other["version"],
+                wheel=other["wheel"],
+                sha256=other["sha256"].lower(),
+                patches=other["patches"],
+                default=False,
+                replaces=tuple(other.get("replaces", ())),
+                requires=tuple(other.get("requires", ())),
+            )
+        )
+    versions = [base.version for base in bases]
+    if len(set(versions)) != len(versions):
+        raise ForkError(f"base.json pins a version twice: {versions}")
+    return bases
+
+
+def selected_base_version() -> Optional[str]:
+    """The base ``$TORCHREC_FORK_BASE`` selects (None: the default base)."""
+    return os.environ.get(BASE_ENV) or None
+
+
+def load_base(repo: Path = REPO_ROOT, version: Optional[str] = None) -> BaseSpec:
+    """
+    The base to build on: ``version``, else the one ``$TORCHREC_FORK_BASE``
+    names, else the default base of ``base.json``.
+
+    Args:
+        repo (Path): the fork repository.
+        version (Optional[str]): a base's version (e.g. ``1.8.0``).
+
+    Returns:
+        BaseSpec: the base.
+
+    Raises:
+        ForkError: when ``base.json`` pins no base of that version.
+    """
+    bases = load_bases(repo)
+    wanted = version or selected_base_version()
+    if wanted is None:
+        return bases[0]
+    for base in bases:
+        if base.version == wanted:
+            return base
+    raise ForkError(
+        f"no base {wanted} in base.json (pinned: "
+        f"{', '.join(base.version for base in bases)}); check {BASE_ENV} or --base"
     )
 
 
+def patches_dir(repo: Path = REPO_ROOT) -> Path:
+    """The folder of the selected base's series (see :func:`load_base`):
+    ``patches/`` for the default base."""
+    return repo / load_base(repo).patches
+
+
 def fork_version(repo: Path = REPO_ROOT) -> str:
-    """The fork's version from ``version.txt``; it must start with the base's version."""
+    """
+    The fork's version: ``version.txt`` names it on the default base
+    (``BASE+LOCAL``, e.g. ``1.1.0+reshard.0.1.0``); on another base the same
+    local part follows that base's version (``1.8.0+reshard.0.1.0``).
+    """
     version = (repo / "version.txt").read_text().strip()
-    base = load_base(repo)
-    if not version.startswith(base.version + "+"):
+    default = load_bases(repo)[0]
+    if not version.startswith(default.version + "+"):
         raise ForkError(
             f"version.txt ({version}) must be a local version of the base "
-            f"({base.version}+...)"
+            f"({default.version}+...)"
         )
+    base = load_base(repo)
+    if not base.default:
+        version = base.version + version[len(default.version) :]
     return version
 
 
@@ -228,8 +332,9 @@ def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesE
 
 
 def parse_series(repo: Path = REPO_ROOT) -> List[SeriesEntry]:
-    """Every entry of ``patches/series`` (see :func:`parse_series_text`)."""
-    series = repo / "patches" / "series"
+    """Every entry of the selected base's series, ``patches/series`` for the
+    default base (see :func:`parse_series_text`)."""
+    series = patches_dir(repo) / "series"
     if not series.exists():
         return []
     return parse_series_text(series.read_text())
@@ -262,7 +367,7 @@ def load_series(repo: Path = REPO_ROOT) -> List[Patch]:
     """Parse every patch quilt applies (see :func:`read_series`)."""
     patches: List[Patch] = []
     for name in read_series(repo):
-        path = repo / "patches" / name
+        path = patches_dir(repo) / name
         if not path.exists():
             raise PatchError(name, "listed in patches/series but the file is missing")
         patches.append(parse_patch(path))
@@ -411,14 +516,14 @@ def overlay_diff_path(repo: Path, name: str) -> Path:
     """Where the entry ``name`` keeps its diff to overlay files introduced by
     earlier entries: ``patches/STEM.overlay.diff``."""
     stem = name[: -len(".patch")] if name.endswith(".patch") else name
-    return repo / "patches" / (stem + OVERLAY_DIFF_SUFFIX)
+    return patches_dir(repo) / (stem + OVERLAY_DIFF_SUFFIX)
 
 
 def load_stack(repo: Path = REPO_ROOT) -> List[StackEntry]:
     """Every entry of ``patches/series`` with its patch and overlay diff."""
     stack: List[StackEntry] = []
     for entry in parse_series(repo):
-        path = repo / "patches" / entry.name
+        path = patches_dir(repo) / entry.name
         if not path.exists():
             raise PatchError(
                 entry.name, "listed in patches/series but the file is missing"
@@ -573,7 +678,7 @@ def stack_problems(
             f"entry that introduces it in patches/series"
         )
     known = {overlay_diff_path(repo, entry.name).name for entry in stack}
-    for path in sorted((repo / "patches").glob("*" + OVERLAY_DIFF_SUFFIX)):
+    for path in sorted(patches_dir(repo).glob("*" + OVERLAY_DIFF_SUFFIX)):
         if path.name not in known:
             problems.append(
                 f"patches/{path.name} belongs to no entry of patches/series"
@@ -648,7 +753,7 @@ def load_upstream_tree(repo: Path = REPO_ROOT) -> UpstreamTree:
             f"SHA)' header)"
         )
     text = path.read_text()
-    tag = re.search(r"\btag (\S+)", text)
+    tag = re.search(r"\b(?:tag|branch) (\S+)", text)
     commit = re.search(r"\bcommit ([0-9a-f]{40})\b", text)
     if tag is None or commit is None:
         raise ForkError(f"{path.name}: the header must name 'tag TAG (commit SHA)'")
@@ -675,6 +780,7 @@ def upstream_problems(
     stack: Sequence[StackEntry],
     upstream: UpstreamTree,
     wheel_files: Mapping[str, bytes],
+    replaces: Sequence[str] = (),
 ) -> List[str]:
     """
     Whether the stack applies to upstream's git tree: every file a patch
@@ -682,7 +788,10 @@ def upstream_problems(
     pre-image the patches were made against), no patch may create a file
     upstream has, and an overlay file upstream has must be identical to it
     (the export then leaves it out; the build needs it because the wheel
-    lacks it).
+    lacks it) unless a patch of the stack deletes upstream's file (the
+    overlay's then replaces it) or the base declares that the overlay file
+    replaces upstream's (``replaces``: it must be an overlay file of the
+    stack, in upstream's tree and not in the wheel).
 
     Args:
         repo (Path): the fork repository.
@@ -717,8 +826,29 @@ def upstream_problems(
                         f"{entry.name} changes {rel}: the wheel's copy (blob {blob}) "
                         f"is not the one in {at} (blob {upstream.blobs[rel]})"
                     )
+    # A base's series may delete an upstream file that the (base-agnostic)
+    # overlay then provides: the fork's file replaces it.
+    deleted = {
+        change.path
+        for entry in stack
+        for change in diff_changes(entry.patch.diff)
+        if change.new_path is None
+    }
+    introduced = {rel for entry in stack for rel in entry.files}
+    for rel in replaces:
+        if rel not in introduced:
+            problems.append(f"base.json: 'replaces' names {rel}, no overlay file")
+        elif rel not in upstream.blobs:
+            problems.append(f"base.json: 'replaces' names {rel}, which {at} lacks")
+        elif rel in wheel_files:
+            problems.append(
+                f"base.json: 'replaces' names {rel}, which the wheel has: delete "
+                f"upstream's file with a patch instead"
+            )
     for entry in stack:
         for rel in entry.files:
+            if rel in deleted or rel in replaces:
+                continue
             if rel in upstream.blobs and (repo / rel).is_file():
                 blob = git_blob_id((repo / rel).read_bytes())
                 if blob != upstream.blobs[rel]:

@@ -151,7 +151,9 @@ def checked_stack(
     problems = fl.stack_problems(repo, stack)
     upstream = fl.load_upstream_tree(repo)
     wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
-    problems += fl.upstream_problems(repo, stack, upstream, wheel)
+    problems += fl.upstream_problems(
+        repo, stack, upstream, wheel, fl.load_base(repo).replaces
+    )
     if problems:
         raise StackError(problems)
     return stack, upstream, wheel
@@ -209,8 +211,17 @@ def build_stack_repo(
     tree.mkdir(parents=True)
     fl.git(["init", "-q"], tree)
     fl.extract_upstream(fl.fetch_base_wheel(repo), tree)
+    # Overlay files upstream's tree has and the wheel lacks stand for
+    # upstream's identical files (the check verified it); an upstream file the
+    # wheel has stays upstream's (a patch of the stack deletes it), and one the
+    # base declares replaced ('replaces') is left to the entry that adds it.
     restored = sorted(
-        rel for entry in stack for rel in entry.files if rel in upstream.blobs
+        rel
+        for entry in stack
+        for rel in entry.files
+        if rel in upstream.blobs
+        and not (tree / rel).exists()
+        and rel not in base.replaces
     )
     for rel in restored:
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -461,7 +472,7 @@ def cover_letter_text(
     ``$benchmark``, ``$tests``, ``$base_tag``, ``$base_commit``,
     ``$base_wheel`` and ``$max_lines`` are filled in).
     """
-    path = repo / COVER_LETTER_TEMPLATE
+    path = fl.patches_dir(repo) / Path(COVER_LETTER_TEMPLATE).name
     if path.is_file():
         subject, _, blurb = path.read_text().partition("\n")
     else:

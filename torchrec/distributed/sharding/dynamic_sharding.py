@@ -14,10 +14,15 @@ sharded module's state dict to their new placements.
 These two functions are the seed API. ``ShardedEmbeddingBagCollection.update_shards``
 runs the same plan and exchange (``torchrec.distributed.resharding``) directly
 on the module's lookups, together with the fused optimizer state.
+
+``output_sharding_plan_delta_single`` and ``output_sharding_plans_delta`` give
+the delta between two plans of a module (or of every module of a model), the
+form ``update_shards`` and ``DistributedModelParallel.reshard`` take it in.
 """
 
+import copy
 from dataclasses import replace
-from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,7 +46,11 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     Transfer,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ParameterSharding,
+    ShardingEnv,
+)
 
 StateValue = Union[ShardedTensor, torch.Tensor]
 
@@ -328,3 +337,121 @@ def _as_state_value(
         ),
         process_group=process_group,
     )
+
+
+# --------------------------------------------------------------------- deltas
+
+
+def _shard_keys(ps: ParameterSharding) -> List[Tuple[Any, ...]]:
+    """Offsets, sizes and placement of every shard of a ParameterSharding."""
+    spec = ps.sharding_spec
+    if not isinstance(spec, EnumerableShardingSpec):
+        return []
+    return [
+        (
+            tuple(m.shard_offsets),
+            tuple(m.shard_sizes),
+            str(m.placement) if m.placement is not None else None,
+        )
+        for m in spec.shards
+    ]
+
+
+def _changed(old: ParameterSharding, new: ParameterSharding) -> bool:
+    return (
+        old.sharding_type != new.sharding_type
+        or old.compute_kernel != new.compute_kernel
+        or list(old.ranks or []) != list(new.ranks or [])
+        or _shard_keys(old) != _shard_keys(new)
+    )
+
+
+def _moved_elements(old: ParameterSharding, new: ParameterSharding) -> float:
+    """Elements (rows x columns) of the new shards that no old shard already
+    holds with the same offsets, sizes and placement."""
+    kept = set(_shard_keys(old))
+    moved = 0
+    for offsets, sizes, placement in _shard_keys(new):
+        if (offsets, sizes, placement) not in kept:
+            count = 1
+            for size in sizes:
+                count *= size
+            moved += count
+    return float(moved)
+
+
+def output_sharding_plan_delta_single(
+    old_plan: EmbeddingModuleShardingPlan,
+    new_plan: EmbeddingModuleShardingPlan,
+    return_data_volume: bool = False,
+) -> Tuple[float, EmbeddingModuleShardingPlan]:
+    """
+    The delta between two plans of one module: a plan with (a copy of) the new
+    ParameterSharding of every table whose sharding type, compute kernel,
+    ranks or shards (offsets, sizes, placements) differ; the form
+    ``update_shards`` and ``EmbeddingBagCollectionSharder.reshard`` take.
+
+    Args:
+        old_plan (EmbeddingModuleShardingPlan): the module's current plan.
+        new_plan (EmbeddingModuleShardingPlan): its new plan, for the same tables.
+        return_data_volume (bool): also count the data the delta moves.
+
+    Returns:
+        Tuple[float, EmbeddingModuleShardingPlan]: the data volume (the
+        elements, rows x columns, of the new shards that are not already in
+        place; 0 unless ``return_data_volume``) and the delta.
+
+    Raises:
+        ValueError: when the plans do not name the same tables.
+    """
+    if set(old_plan.keys()) != set(new_plan.keys()):
+        raise ValueError(
+            f"the plans name different tables: {sorted(old_plan.keys())} and "
+            f"{sorted(new_plan.keys())}"
+        )
+    delta = EmbeddingModuleShardingPlan()
+    volume = 0.0
+    for table, new in new_plan.items():
+        old = old_plan[table]
+        if _changed(old, new):
+            delta[table] = copy.deepcopy(new)
+            if return_data_volume:
+                volume += _moved_elements(old, new)
+    return volume, delta
+
+
+def output_sharding_plans_delta(
+    old_plan: Dict[str, EmbeddingModuleShardingPlan],
+    new_plan: Dict[str, EmbeddingModuleShardingPlan],
+    return_data_volume: bool = False,
+) -> Dict[str, Tuple[float, EmbeddingModuleShardingPlan]]:
+    """
+    :func:`output_sharding_plan_delta_single` for every module of a model's
+    plan (``ShardingPlan.plan``): the form ``DistributedModelParallel.reshard``
+    takes. Every module is in it, also those whose delta is empty.
+
+    Args:
+        old_plan (Dict[str, EmbeddingModuleShardingPlan]): per module FQN, its
+            current plan.
+        new_plan (Dict[str, EmbeddingModuleShardingPlan]): per module FQN, its
+            new plan (the same modules).
+        return_data_volume (bool): also count the data each delta moves.
+
+    Returns:
+        Dict[str, Tuple[float, EmbeddingModuleShardingPlan]]: per module FQN,
+        its data volume and delta.
+
+    Raises:
+        ValueError: when the plans do not name the same modules or tables.
+    """
+    if set(old_plan.keys()) != set(new_plan.keys()):
+        raise ValueError(
+            f"the plans name different modules: {sorted(old_plan.keys())} and "
+            f"{sorted(new_plan.keys())}"
+        )
+    deltas: Dict[str, Tuple[float, EmbeddingModuleShardingPlan]] = {}
+    for fqn, plan in old_plan.items():
+        deltas[fqn] = output_sharding_plan_delta_single(
+            plan, new_plan[fqn], return_data_volume
+        )
+    return deltas

@@ -1,0 +1,115 @@
+"""Two bases, one overlay: base.json pins torchrec 1.1.0 (the default, series
+in patches/) and torchrec 1.8.0 (series in patches/base-1.8.0/), selected with
+TORCHREC_FORK_BASE or tools/fork.py --base."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from tools import fork, forklib
+
+
+def run_fork(repo: Path, *args: str, env_base: str = "") -> subprocess.CompletedProcess:
+    """Run tools/fork.py of ``repo`` as a user would (TORCHREC_FORK_BASE as given)."""
+    env = dict(os.environ)
+    env.pop(forklib.BASE_ENV, None)
+    if env_base:
+        env[forklib.BASE_ENV] = env_base
+    return subprocess.run(
+        [sys.executable, str(repo / "tools" / "fork.py"), *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.fixture
+def no_base_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(forklib.BASE_ENV, raising=False)
+
+
+def test_base_json_pins_both_wheels(no_base_env: None) -> None:
+    bases = forklib.load_bases(REPO)
+    assert [(b.version, b.patches, b.default) for b in bases] == [
+        ("1.1.0", "patches", True),
+        ("1.8.0", "patches/base-1.8.0", False),
+    ]
+    for base in bases:
+        assert base.name == "torchrec"
+        assert base.wheel == f"torchrec-{base.version}-py311-none-any.whl"
+        assert len(base.sha256) == 64
+    assert forklib.load_base(REPO).version == "1.1.0"
+    assert forklib.patches_dir(REPO) == REPO / "patches"
+
+
+def test_environment_selects_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
+    base = forklib.load_base(REPO)
+    assert base.version == "1.8.0" and not base.default
+    assert forklib.patches_dir(REPO) == REPO / "patches" / "base-1.8.0"
+    assert forklib.upstream_tree_file(REPO).name == "upstream-v1.8.0-tree.txt"
+    local = (REPO / "version.txt").read_text().strip().split("+", 1)[1]
+    assert forklib.fork_version(REPO) == f"1.8.0+{local}"
+    assert forklib.load_upstream_tree(REPO).tag == "release/v1.8.0"
+    # an explicit version wins over the environment
+    assert forklib.load_base(REPO, "1.1.0").version == "1.1.0"
+
+
+def test_unknown_base_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(forklib.BASE_ENV, "9.9.9")
+    with pytest.raises(forklib.ForkError, match="no base 9.9.9 in base.json"):
+        forklib.load_base(REPO)
+    proc = run_fork(REPO, "check", env_base="9.9.9")
+    assert proc.returncode == 1 and "no base 9.9.9" in proc.stderr
+
+
+def test_each_base_has_its_own_trees(no_base_env: None) -> None:
+    default, other = forklib.load_bases(REPO)
+    assert fork.base_dir(fork.DEFAULT_TREE, default) == fork.DEFAULT_TREE
+    assert fork.base_dir(fork.DEFAULT_TREE, other).name == "tree-1.8.0"
+
+
+def test_both_series_map_the_same_entries_and_overlay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One overlay: the 1.8.0 series has the 1.1.0 series' entries, in order,
+    each introducing the same overlay files."""
+    monkeypatch.delenv(forklib.BASE_ENV, raising=False)
+    default = [(e.name, e.files) for e in forklib.parse_series(REPO)]
+    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
+    other = [(e.name, e.files) for e in forklib.parse_series(REPO)]
+    assert other == default
+
+
+def test_1_8_0_series_applies_and_is_refreshed() -> None:
+    """tools/fork.py --base 1.8.0 check: the 1.8.0 series applies to the
+    1.8.0 wheel, is refreshed, covers the overlay and applies upstream."""
+    proc = run_fork(REPO, "--base", "1.8.0", "check")
+    assert proc.returncode == 0, proc.stderr
+    assert "20 patch(es) apply cleanly" in proc.stdout
+    proc = run_fork(REPO, "check", env_base="1.8.0")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_replaces_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """base.json's 'replaces' exempts an overlay file from the 'exists
+    upstream' check only when it is an overlay file of the stack that
+    upstream's tree has and the wheel lacks."""
+    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
+    stack = forklib.load_stack(REPO)
+    upstream = forklib.load_upstream_tree(REPO)
+    wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
+    replaces = forklib.load_base(REPO).replaces
+    assert replaces == ("torchrec/distributed/tests/test_dynamic_sharding.py",)
+    assert forklib.upstream_problems(REPO, stack, upstream, wheel, replaces) == []
+    problems = forklib.upstream_problems(REPO, stack, upstream, wheel, ())
+    assert len(problems) == 1 and replaces[0] in problems[0]
+    bad = ("torchrec/not_overlay.py", "torchrec/distributed/embeddingbag.py")
+    problems = forklib.upstream_problems(REPO, stack, upstream, wheel, replaces + bad)
+    assert any("names torchrec/not_overlay.py, no overlay file" in p for p in problems)
+    # not an overlay file either, so that is the message: both are refused
+    assert any("torchrec/distributed/embeddingbag.py" in p for p in problems)
