@@ -113,3 +113,21 @@ def test_replaces_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     assert any("names torchrec/not_overlay.py, no overlay file" in p for p in problems)
     # not an overlay file either, so that is the message: both are refused
     assert any("torchrec/distributed/embeddingbag.py" in p for p in problems)
+
+
+def test_ci_runs_every_in_package_test_module_on_1_8_0() -> None:
+    """.ci/tests-1.8.0.txt lists every in-package test module of the overlay
+    (a test that does not pass there is deselected by name, with its reason),
+    so that a new test module cannot silently skip the 1.8.0 base."""
+    listed = set()
+    for line in (REPO / ".ci" / "tests-1.8.0.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and not line.startswith("!"):
+            listed.add(line)
+    modules = {
+        ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for path in (REPO / "torchrec").rglob("tests/test_*.py")
+    }
+    assert modules, "no in-package test module found"
+    assert sorted(modules - listed) == []
+    assert sorted(listed - modules) == []

@@ -138,31 +138,32 @@ def _run_wire(rank: int, world_size: int, port: str, with_targets: bool) -> None
     """The exchange on the group of global ranks 3 and 1 (numbered 0 and 1
     in it, as the plan numbers them) out of 4: peers are group-local."""
     with process_group(rank, world_size, port, timeout_s=60) as (_, _):
-        members = [3, 1]
-        group = dist.new_group(members, sort_ranks=False)
-        if rank not in members:
-            return
-        assert dist.get_rank(group) == members.index(rank)
-        rank = members.index(rank)
-        transfers = _transfers()
-        plan = RankPlan(
-            sends=tuple(t for t in transfers if t.src_rank == rank),
-            receives=tuple(t for t in transfers if t.dst_rank == rank),
-            local_copies=(),
-        )
-        io = _ShardsIO(rank, with_targets)
-        stats = execute_transfers(plan, _fields(), io, group)
-        assert io.finished
-        for t in plan.receives:
-            for f in TABLES[t.table][2]:
-                value = io.new[(t.table, f.name)]
-                assert torch.equal(value, _cut(t.table, f, t.dst_rect)), (t, f)
-        sent, received = (
-            sum(f.nbytes(t) for t in ts for f in TABLES[t.table][2])
-            for ts in (plan.sends, plan.receives)
-        )
-        assert (stats.bytes_sent, stats.bytes_received) == (sent, received), stats
-        _check_in_place(rank, stats, with_targets)
+        group = dist.new_group([3, 1], sort_ranks=False)
+        if rank in (3, 1):
+            _exchange(group, [3, 1].index(rank), with_targets)
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before the end
+
+
+def _exchange(group: dist.ProcessGroup, rank: int, with_targets: bool) -> None:
+    transfers = _transfers()
+    plan = RankPlan(
+        sends=tuple(t for t in transfers if t.src_rank == rank),
+        receives=tuple(t for t in transfers if t.dst_rank == rank),
+        local_copies=(),
+    )
+    io = _ShardsIO(rank, with_targets)
+    stats = execute_transfers(plan, _fields(), io, group)
+    assert io.finished
+    for t in plan.receives:
+        for f in TABLES[t.table][2]:
+            value = io.new[(t.table, f.name)]
+            assert torch.equal(value, _cut(t.table, f, t.dst_rect)), (t, f)
+    sent, received = (
+        sum(f.nbytes(t) for t in ts for f in TABLES[t.table][2])
+        for ts in (plan.sends, plan.receives)
+    )
+    assert (stats.bytes_sent, stats.bytes_received) == (sent, received), stats
+    _check_in_place(rank, stats, with_targets)
 
 
 def _check_in_place(rank: int, stats: ExchangeStats, with_targets: bool) -> None:
