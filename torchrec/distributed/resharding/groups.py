@@ -221,9 +221,9 @@ def wrap_new_lookups(adapter: ShardedModuleAdapter, groups: NewGroups) -> None:
         None
     """
     new_ids = {id(lookup) for lookup in groups.new_lookups}
-    for i, (sharding, lookup) in enumerate(zip(groups.shardings, groups.lookups)):
+    for i, (sharding_type, lookup) in enumerate(zip(groups.infos, groups.lookups)):
         if id(lookup) in new_ids:
-            groups.lookups[i] = adapter.wrap_lookup(sharding, lookup)
+            groups.lookups[i] = adapter.wrap_lookup(sharding_type, lookup)
 
 
 def check_built_layouts(

@@ -143,9 +143,9 @@ class ShardedModuleAdapter(abc.ABC):
     ) -> Any:
         """A sharding object for one group of tables of one sharding type."""
 
-    def wrap_lookup(self, sharding: Any, lookup: nn.Module) -> nn.Module:
+    def wrap_lookup(self, sharding_type: str, lookup: nn.Module) -> nn.Module:
         """A new lookup as the module wraps it (DDP for data parallel)."""
-        return self.module._wrap_data_parallel_lookup(sharding, lookup)
+        return self.module._wrap_data_parallel_lookup(sharding_type, lookup)
 
     def install(
         self,
