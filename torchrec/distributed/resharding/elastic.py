@@ -101,6 +101,7 @@ from torchrec.distributed.resharding.storage import (
     run_facts,
     storage_reuse_supported,
 )
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -479,7 +480,7 @@ class ModelMove(Participant):
 
     # ---------------------------------------------------------- the exchange
 
-    def before_exchange(self, group: dist.ProcessGroup) -> None:
+    def before_exchange(self, group: ExchangeGroup) -> None:
         agreed = self._agreed
         assert agreed is not None
         if self._new_model is not None:
@@ -500,7 +501,7 @@ class ModelMove(Participant):
         self.report.tables = len(self._new)
         return ExchangePart(plan, fields, slot_io(old_slots, new_slots, fields))
 
-    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
         agreed = self._agreed
         assert agreed is not None
         self.report.add_exchange(stats)
@@ -518,15 +519,14 @@ class ModelMove(Participant):
             group,
         )
         if agreed.has_optimizer:
-            state: List[Any] = [
+            self._dense_state = group.broadcast_object(
                 (
                     self._optimizer.state_dict()
                     if me == src and self._optimizer is not None
                     else None
-                )
-            ]
-            dist.broadcast_object_list(state, group_src=src, group=group)
-            self._dense_state = state[0]
+                ),
+                src,
+            )
 
     # ------------------------------------------------------ commit and abort
 

@@ -8,8 +8,8 @@
 # pyre-strict
 
 """
-The wire of live resharding: the one executor that fills new shards from old
-ones, on a process group made for the transaction.
+The one executor of live resharding: it fills new shards from old ones, on
+the transaction's exchange group (``wire.ExchangeGroup``).
 
 :func:`execute_transfers` takes one rank's part of a plan
 (:class:`~torchrec.distributed.resharding.plan.RankPlan`), the fields of every
@@ -19,7 +19,7 @@ spirit of DCP's ``resolve_tensor`` / ``commit_tensor``) and the group:
 * pieces that stay on the rank are copied locally, unless the new shard
   already holds them in the old storage;
 * the others travel as point-to-point messages, posted together per round
-  (``batch_isend_irecv``): one per field of each large piece, one per dtype
+  (``ExchangeGroup.post``): one per field of each large piece, one per dtype
   for each pair's small pieces packed together (:func:`pair_messages`). A
   message is sent straight from the old shard's memory and received straight
   into the new shard's wherever its pieces are one contiguous span there, so
@@ -33,29 +33,16 @@ most ``cap / peers`` bytes per round (``peers``: the most distinct peers any
 rank has, one small all-reduce), cutting pieces into row bands where needed,
 so that no rank holds more than the cap in buffers (where it needs any); a second all-reduce agrees
 on the number of rounds. Both sides of a pair cut its pieces alike.
-
-:func:`open_exchange_group` makes the transaction's group; a failed exchange
-never leaves stray messages on the groups training uses.
 """
 
-import logging
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.memory import release_buffer
-from torchrec.distributed.resharding.plan import (
-    RankPlan,
-    Rect,
-    ReshardAbortedError,
-    Transfer,
-)
-
-logger: logging.Logger = logging.getLogger(__name__)
+from torchrec.distributed.resharding.plan import RankPlan, Rect, Transfer
+from torchrec.distributed.resharding.wire import ExchangeGroup, Message
 
 
 class PieceIO(Protocol):
@@ -114,72 +101,6 @@ class ExchangeStats:
     bytes_copied_locally: int = 0
     bytes_kept_in_place: int = 0
     rounds: int = 0
-
-
-# ----------------------------------------------------------------- the group
-
-
-def open_exchange_group(
-    global_ranks: Sequence[int],
-    transaction: str,
-    timeout: Optional[timedelta] = None,
-    backend: Optional[str] = None,
-) -> dist.ProcessGroup:
-    """
-    A process group over ``global_ranks`` (their order numbers it), made for
-    one transaction: its name comes from the agreement, so only its members
-    create it and the job's group counter is not touched. Close it with
-    :func:`close_exchange_group`.
-
-    Args:
-        global_ranks (Sequence[int]): the members; this rank among them.
-        transaction (str): the agreement's transaction name.
-        timeout (Optional[timedelta]): timeout of its collectives.
-        backend (Optional[str]): the backend (default: the default group's).
-
-    Returns:
-        dist.ProcessGroup: the exchange group.
-
-    Raises:
-        ReshardAbortedError: when a peer does not connect within the timeout.
-    """
-    default = c10d._get_default_group()
-    timeout = timeout or c10d._get_default_timeout(dist.get_backend(default))
-    ranks = list(global_ranks)
-    try:
-        group, _ = c10d._new_process_group_helper(
-            len(ranks),
-            ranks.index(dist.get_rank()),
-            ranks,
-            backend or dist.get_backend(default),
-            c10d._get_default_store(),
-            c10d.GroupName(transaction),
-            timeout=timeout,
-        )
-    except Exception as e:
-        raise ReshardAbortedError(
-            f"could not connect the ranks for the shard exchange ({type(e).__name__}:"
-            f" {e}); nothing moved and the model is unchanged"
-        ) from e
-    c10d._world.pg_group_ranks[group] = {g: i for i, g in enumerate(ranks)}
-    return group
-
-
-def close_exchange_group(group: dist.ProcessGroup) -> None:
-    """
-    Destroys an exchange group; after a failed exchange this also wakes peers
-    still blocked in it with an error instead of letting them wait.
-
-    Args:
-        group (dist.ProcessGroup): a group from :func:`open_exchange_group`.
-
-    Returns:
-        None
-    """
-    try:
-        dist.destroy_process_group(group)
-    except Exception:  # a group broken by the failure it reports
-        logger.debug("destroying the exchange group failed", exc_info=True)
 
 
 # ------------------------------------------------------------------ rounds
@@ -261,12 +182,6 @@ def _by_peer(
     return out
 
 
-def _all_reduce_max(values: List[int], group: dist.ProcessGroup) -> List[int]:
-    tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return [int(v) for v in tensor.tolist()]
-
-
 @dataclass(frozen=True)
 class _Rounds:
     """Per peer, the pieces this rank sends / receives in each round."""
@@ -279,7 +194,7 @@ class _Rounds:
 def _plan_rounds(
     plan: RankPlan,
     fields: Mapping[str, Sequence[Field]],
-    group: dist.ProcessGroup,
+    group: ExchangeGroup,
     max_inflight_bytes: Optional[int],
 ) -> _Rounds:
     """The rounds of this rank, consistent with every other rank's."""
@@ -287,7 +202,7 @@ def _plan_rounds(
     recv_peers = _by_peer(plan.receives, outgoing=False)
     quota: Optional[int] = None
     if max_inflight_bytes is not None:
-        (peers,) = _all_reduce_max([len(send_peers) + len(recv_peers)], group)
+        (peers,) = group.all_reduce_max([len(send_peers) + len(recv_peers)])
         quota = max(1, max_inflight_bytes // max(1, peers))
     sends = {p: chunk_pair(t, fields, quota) for p, t in send_peers.items()}
     receives = {p: chunk_pair(t, fields, quota) for p, t in recv_peers.items()}
@@ -295,7 +210,7 @@ def _plan_rounds(
         (len(c) for c in list(sends.values()) + list(receives.values())), default=0
     )
     if max_inflight_bytes is not None:
-        (count,) = _all_reduce_max([count], group)
+        (count,) = group.all_reduce_max([count])
     else:
         count = 1  # one round, taken by every rank whether it has pieces or not
     return _Rounds(sends, receives, count)
@@ -430,7 +345,7 @@ class _Wire:
         self,
         fields: Mapping[str, Sequence[Field]],
         io: PieceIO,
-        group: dist.ProcessGroup,
+        group: ExchangeGroup,
         device: torch.device,
     ) -> None:
         self._fields = fields
@@ -494,18 +409,15 @@ class _Wire:
         Returns:
             None
         """
-        ops: List[dist.P2POp] = []
+        messages: List[Message] = []
         incoming: List[_Receive] = []
         outgoing: List[Tuple[torch.Tensor, bool]] = []
-        # every receive is posted before any send: no pair waits on another.
         # Peers are group-local ranks (the plan numbers ranks in the group).
         for peer in sorted(receives):
             for tag, message in enumerate(pair_messages(receives[peer], self._fields)):
                 receive = self._incoming(message)
                 incoming.append(receive)
-                ops.append(
-                    dist.P2POp(dist.irecv, receive.tensor, None, self._group, tag, peer)
-                )
+                messages.append(Message(receive.tensor, peer, tag, send=False))
                 nbytes = message.numel * message.dtype.itemsize
                 stats.bytes_received += nbytes
                 if not receive.buffered:
@@ -514,14 +426,12 @@ class _Wire:
             for tag, message in enumerate(pair_messages(sends[peer], self._fields)):
                 tensor, buffered = self._outgoing(message)
                 outgoing.append((tensor, buffered))
-                ops.append(dist.P2POp(dist.isend, tensor, None, self._group, tag, peer))
+                messages.append(Message(tensor, peer, tag, send=True))
                 nbytes = message.numel * message.dtype.itemsize
                 stats.bytes_sent += nbytes
                 if not buffered:
                     stats.bytes_sent_in_place += nbytes
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._group.wait(self._group.post(messages))
         for tensor, buffered in outgoing:
             if buffered:
                 release_buffer(tensor)
@@ -550,7 +460,7 @@ def execute_transfers(
     plan: RankPlan,
     fields: Mapping[str, Sequence[Field]],
     io: PieceIO,
-    group: dist.ProcessGroup,
+    group: ExchangeGroup,
     max_inflight_bytes: Optional[int] = None,
     device: Optional[torch.device] = None,
     on_round: Optional[Callable[[int, int], None]] = None,
@@ -566,7 +476,8 @@ def execute_transfers(
         fields (Mapping[str, Sequence[Field]]): the fields of every table of
             the plan, the same on every rank.
         io (PieceIO): where pieces are read and written.
-        group (dist.ProcessGroup): the transaction's exchange group.
+        group (ExchangeGroup): the transaction's exchange group (or any
+            process group, through ``ExchangeGroup.over``).
         max_inflight_bytes (Optional[int]): cap on this rank's buffers.
         device (Optional[torch.device]): device of the buffers (CPU default).
         on_round (Optional[Callable[[int, int], None]]): called after each

@@ -19,7 +19,6 @@ import copy
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
 from torchrec.distributed.resharding.elastic_plan import (
@@ -31,6 +30,7 @@ from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import keyed_slots, LocalSlot, SlotKey
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_modules import (
@@ -230,7 +230,7 @@ def broadcast_dense(
     source: Optional[Mapping[str, torch.Tensor]],
     target: Optional[Mapping[str, torch.Tensor]],
     src: int,
-    group: dist.ProcessGroup,
+    group: ExchangeGroup,
 ) -> int:
     """
     The dense tensors, from ``source`` on the group's rank ``src`` into
@@ -250,7 +250,7 @@ def broadcast_dense(
             )
         else:
             buffer = torch.empty(sum(sizes), dtype=dtype)
-        dist.broadcast(buffer, group_src=src, group=group)
+        group.broadcast(buffer, src)
         total += buffer.numel() * buffer.element_size()
         if target is not None:
             with torch.no_grad():

@@ -47,13 +47,10 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding.agreement import agree_among_ranks
 from torchrec.distributed.resharding.exchange import (
-    close_exchange_group,
     ExchangeStats,
     execute_transfers,
-    open_exchange_group,
     PieceIO,
 )
 from torchrec.distributed.resharding.fields import Field
@@ -62,6 +59,11 @@ from torchrec.distributed.resharding.plan import (
     RankPlan,
     ReshardAbortedError,
     ReshardError,
+)
+from torchrec.distributed.resharding.wire import (
+    default_timeout,
+    ExchangeGroup,
+    open_exchange_group,
 )
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -170,14 +172,14 @@ class Participant(abc.ABC):
     def build(self) -> None:
         """Builds the new state, detached from what runs now."""
 
-    def before_exchange(self, group: dist.ProcessGroup) -> None:
+    def before_exchange(self, group: ExchangeGroup) -> None:
         """Collectives the built state needs before it is filled."""
 
     @abc.abstractmethod
     def exchange_part(self) -> ExchangePart:
         """This rank's part of the plan, with the fields and the IO."""
 
-    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
         """What else travels once the shards are filled (e.g. dense state)."""
 
     @abc.abstractmethod
@@ -192,18 +194,9 @@ class Participant(abc.ABC):
         """Where the exchange buffers live."""
         return torch.device("cpu")
 
-    def backend(self) -> Optional[str]:
-        """The exchange group's backend (default: the default group's)."""
-        return None
-
     def unchanged(self) -> str:
         """What a failed transaction leaves as it was, for the error message."""
         return "the module is unchanged and keeps its old sharding"
-
-
-def default_timeout() -> timedelta:
-    """The default process group's backend's timeout."""
-    return c10d._get_default_timeout(dist.get_backend(c10d._get_default_group()))
 
 
 class _Clock:
@@ -331,7 +324,7 @@ def _exchange(
 ) -> ExchangeStats:
     me = dist.get_rank()
     try:
-        group = open_exchange_group(ranks, transaction, timeout, participant.backend())
+        group = open_exchange_group(ranks, transaction, timeout, participant.device())
     except Exception as e:
         participant.abort()
         if isinstance(e, ReshardAbortedError):
@@ -355,13 +348,13 @@ def _exchange(
         del part
         participant.after_exchange(group, stats)
         # Nobody commits before everybody filled its new state.
-        dist.barrier(group=group)
+        group.barrier()
     except Exception as e:
-        close_exchange_group(group)
+        group.close()
         participant.abort()
         raise ReshardAbortedError(
             f"rank {me}: the {participant.kind} failed in the exchange "
             f"({type(e).__name__}: {e}); {participant.unchanged()}"
         ) from e
-    close_exchange_group(group)
+    group.close()
     return stats

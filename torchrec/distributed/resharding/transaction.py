@@ -95,6 +95,7 @@ from torchrec.distributed.resharding.storage import (
     storage_reuse_supported,
     user_batch_key,
 )
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -420,7 +421,7 @@ class ModuleReshard(Participant):
     def _built(self) -> List[_ModuleReshard]:
         return [m for m in self._modules if m.groups is not None]
 
-    def before_exchange(self, group: dist.ProcessGroup) -> None:
+    def before_exchange(self, group: ExchangeGroup) -> None:
         assert self._decision is not None
         for m in self._built():
             assert m.groups is not None

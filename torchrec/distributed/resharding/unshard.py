@@ -73,6 +73,7 @@ from torchrec.distributed.resharding.runner import (
     Participant,
     run_transaction,
 )
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -216,7 +217,7 @@ class Unshard(Participant):
         self.report.tables = len(self._new)
         return ExchangePart(plan, fields, io)
 
-    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
         self.report.add_exchange(stats)
 
     def commit(self) -> None:
@@ -395,7 +396,7 @@ class ShardFromRank(Participant):
         self.report.tables = len(new)
         return ExchangePart(plan, fields, io)
 
-    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
         agreed, model = self._agreed, self._new_model
         assert agreed is not None and model is not None
         self.report.add_exchange(stats)

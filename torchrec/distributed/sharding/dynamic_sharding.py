@@ -46,6 +46,7 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     Transfer,
 )
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -175,7 +176,9 @@ def shards_all_to_all(
     rank_plan = plan_rank_transfers(plan.old_layouts, plan.new_layouts, rank)
     # local pieces are installed by update_state_dict_post_resharding
     rank_plan = replace(rank_plan, local_copies=())
-    execute_transfers(rank_plan, fields, io, pg, device=device)
+    execute_transfers(
+        rank_plan, fields, io, ExchangeGroup.over(pg, device=device), device=device
+    )
     names = [t.table for t in rank_plan.receives]
     pieces = [io.received[t] for t in rank_plan.receives]
     return names, _concat(pieces, device)

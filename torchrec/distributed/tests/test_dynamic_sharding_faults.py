@@ -17,7 +17,7 @@ its old plan, bit-equal to an untouched copy; a later reshard must still work.
 import time
 import unittest
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Tuple
 from unittest import mock
 
 import torch
@@ -33,6 +33,7 @@ from torchrec.distributed.resharding import (
 from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.kernel_state import LocalSlot, read_piece
 from torchrec.distributed.resharding.plan import Transfer
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -135,13 +136,15 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         )
 
 
-def _exchange_groups() -> List[str]:
-    return [n for n in c10d._world.pg_names.values() if "torchrec_reshard" in n]
+def _registry() -> Tuple[int, int, int]:
+    world = c10d._world
+    return len(world.pg_map), len(world.pg_names), world.group_count
 
 
 def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> None:
-    """Every reshard exchanges on a group of its own, destroyed afterwards:
-    nothing is cached between reshards (or keyed by a group's id)."""
+    """Every reshard exchanges on a group of its own, closed afterwards and
+    never registered in torch.distributed: nothing is cached between reshards
+    (or keyed by a group's id)."""
     with process_group(rank, world_size, port) as (pg, device):
         ebc = make_ebc(4)
         sharder = make_sharder("rowwise_adagrad")
@@ -149,18 +152,29 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
         plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
         plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
         module = shard(ebc, sharder, plan_a, env, device)
+        registry = _registry()
         opened: List[str] = []
+        closed: List[str] = []
         open_group = runner.open_exchange_group
+        close_group = ExchangeGroup.close
 
-        def recording(*args: Any, **kwargs: Any) -> dist.ProcessGroup:
+        def recording_open(*args: Any, **kwargs: Any) -> ExchangeGroup:
             group = open_group(*args, **kwargs)
-            opened.append(c10d._get_process_group_name(group))
+            opened.append(group.name)
             return group
 
-        with mock.patch.object(runner, "open_exchange_group", recording):
+        def recording_close(group: ExchangeGroup) -> None:
+            closed.append(group.name)
+            close_group(group)
+
+        with (
+            mock.patch.object(runner, "open_exchange_group", recording_open),
+            mock.patch.object(ExchangeGroup, "close", recording_close),
+        ):
             for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):
                 reshard_module(module, delta(old, new), env, device)
-                assert _exchange_groups() == [], _exchange_groups()
+                assert closed == opened, (closed, opened)
+                assert _registry() == registry, (_registry(), registry)
         assert len(set(opened)) == 3, opened
         names: List[Any] = [None] * world_size
         dist.all_gather_object(names, opened, group=pg)

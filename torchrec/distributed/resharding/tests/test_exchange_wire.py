@@ -16,7 +16,9 @@ contiguous) and every new shard must equal the reference cut from the global
 tables. With targets, large pieces are received straight into the new
 shards' memory (no buffer) and contiguous sources are sent from the old
 shards' memory; without targets (the commit does more), everything goes
-through buffers and is still exact. Also the message split itself, in one
+through buffers and is still exact. The first runs over a group of the job
+(``ExchangeGroup.over``), the second over one made for a transaction
+(``open_exchange_group``). Also the message split itself, in one
 process: both sides of a pair derive the same messages.
 """
 
@@ -33,6 +35,7 @@ from torchrec.distributed.resharding.exchange import (
 )
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import RankPlan, Rect, Transfer
+from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 from torchrec.distributed.test_utils.multi_process_utils import (
     MultiRankTestBase,
     process_group,
@@ -138,13 +141,20 @@ def _run_wire(rank: int, world_size: int, port: str, with_targets: bool) -> None
     """The exchange on the group of global ranks 3 and 1 (numbered 0 and 1
     in it, as the plan numbers them) out of 4: peers are group-local."""
     with process_group(rank, world_size, port, timeout_s=60) as (_, _):
-        group = dist.new_group([3, 1], sort_ranks=False)
+        # with targets over a group of the job, without over one of its own
+        group = dist.new_group([3, 1], sort_ranks=False) if with_targets else None
         if rank in (3, 1):
-            _exchange(group, [3, 1].index(rank), with_targets)
+            wire = (
+                ExchangeGroup.over(group)
+                if group is not None
+                else open_exchange_group([3, 1], "wire-test")
+            )
+            _exchange(wire, [3, 1].index(rank), with_targets)
+            wire.close()
         dist.barrier()  # rank 0 hosts the store: nobody leaves before the end
 
 
-def _exchange(group: dist.ProcessGroup, rank: int, with_targets: bool) -> None:
+def _exchange(group: ExchangeGroup, rank: int, with_targets: bool) -> None:
     transfers = _transfers()
     plan = RankPlan(
         sends=tuple(t for t in transfers if t.src_rank == rank),
