@@ -144,14 +144,6 @@ def _run_memory(rank: int, world_size: int, port: str) -> None:
                 train_step(module, batches[i % 4])
             reshard_rss = _rss() - rss
             reshard_malloc = (_malloc_in_use() or 0) - (malloc or 0)
-            import os
-
-            if os.environ.get("TRIM_EXP"):
-                ctypes.CDLL(None).malloc_trim(0)
-                print(
-                    f"rank {rank}: after malloc_trim growth {(_rss() - rss) / 2**20:.1f} MiB",
-                    file=sys.stderr,
-                )
         finally:
             gc.enable()
 
