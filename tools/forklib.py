@@ -884,6 +884,12 @@ def upstream_problems(
                 f"base.json: 'replaces' names {rel}, which the wheel has: delete "
                 f"upstream's file with a patch instead"
             )
+        elif rel not in deleted:
+            problems.append(
+                f"base.json: 'replaces' names {rel}, but no entry deletes upstream's "
+                f"file: add '{SERIES_DELETE} {rel}' below the entry that removes "
+                f"what it tests, or below {stack[introduced[rel]].name}"
+            )
     for k, entry in enumerate(stack):
         for rel in entry.files:
             if rel not in upstream.blobs or not (repo / rel).is_file():
@@ -897,7 +903,7 @@ def upstream_problems(
                     )
                 continue
             if rel in replaces:
-                continue
+                continue  # reported above: nothing deletes upstream's file
             blob = git_blob_id((repo / rel).read_bytes())
             if blob == upstream.blobs[rel]:
                 continue
