@@ -1,6 +1,10 @@
 """The exported stack: ``git am`` on upstream's git tree at the base's tag
-reproduces the fork, and every commit is a reviewable change."""
+reproduces the fork, and every commit is a reviewable change. Every test runs
+on each base of base.json: the 1.1.0 stack against upstream's tag v1.1.0 and
+the 1.8.0 stack against upstream's release/v1.8.0 (tools/upstream-v*-tree.txt
+lists both trees)."""
 
+import os
 import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
@@ -11,6 +15,30 @@ from tools import fork, forklib, stack
 
 #: Pre-image id git writes for a file a patch creates.
 NO_BLOB = "0" * 40
+#: The blob id of an empty file (an upstream_layout placeholder).
+EMPTY_BLOB = forklib.git_blob_id(b"")
+BASES = [base.version for base in forklib.load_bases(REPO)]
+
+
+@pytest.fixture(scope="module", autouse=True, params=BASES)
+def base(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test of this module runs once per base: $TORCHREC_FORK_BASE
+    selects it for the tools while the base's tests run."""
+    saved = os.environ.get(forklib.BASE_ENV)
+    os.environ[forklib.BASE_ENV] = request.param
+    try:
+        yield request.param
+    finally:
+        if saved is None:
+            os.environ.pop(forklib.BASE_ENV, None)
+        else:
+            os.environ[forklib.BASE_ENV] = saved
+
+
+def upstream_deletions() -> Set[str]:
+    """The files of upstream's tree the wheel lacks that the stack deletes
+    (``#-`` lines of the series)."""
+    return {rel for entry in forklib.load_stack(REPO) for rel in entry.deletes}
 
 
 def snapshot(tree: Path) -> Dict[str, bytes]:
@@ -55,9 +83,11 @@ def mail_message(path: Path) -> Tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[stack.Export]:
-    """The stack exported once for the module's tests."""
-    yield stack.export_stack(REPO, tmp_path_factory.mktemp("export"))
+def exported(
+    base: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[stack.Export]:
+    """The base's stack, exported once for the module's tests."""
+    yield stack.export_stack(REPO, tmp_path_factory.mktemp(f"export-{base}"))
 
 
 def test_export_writes_a_cover_letter_and_one_patch_per_entry(
@@ -80,8 +110,10 @@ def test_export_preimages_are_upstreams_blobs(exported: stack.Export) -> None:
     upstream's tree. Checked through the full blob ids of the index lines."""
     upstream = forklib.load_upstream_tree(REPO)
     wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
+    lacking = upstream_deletions()
     current = dict(upstream.blobs)
     created: List[str] = []
+    deleted: List[str] = []
     for path in exported.patches:
         for change in forklib.diff_changes(path.read_text()):
             where = f"{path.name}: {change.path}"
@@ -93,21 +125,27 @@ def test_export_preimages_are_upstreams_blobs(exported: stack.Export) -> None:
             else:
                 assert change.old_path in current, f"{where}: not in upstream's tree"
                 assert change.old_blob == current[change.old_path], where
-                if change.old_path not in created:
+                if change.old_path not in created and change.old_path not in lacking:
                     assert change.old_path in wheel, where
                     assert forklib.git_blob_id(wheel[change.old_path]) == (
                         upstream.blobs[change.old_path]
                     ), f"{where}: the wheel's copy is not upstream's"
             if change.new_path is None:
                 del current[change.old_path or ""]
+                deleted.append(change.old_path or "")
             else:
                 current[change.new_path] = change.new_blob
     assert created, "the export creates no file"
     # Files upstream already has are never created, even when the build needs
-    # them from the overlay (the wheel lacks them).
+    # them from the overlay (the wheel lacks them), unless the export deleted
+    # upstream's file first (the overlay's replaces it).
     for rel in (r.as_posix() for r in forklib.overlay_files(REPO)):
-        if rel in upstream.blobs:
+        if rel in upstream.blobs and rel not in deleted:
             assert rel not in created, rel
+    # what base.json says the overlay replaces is deleted upstream, then created
+    for rel in forklib.load_base(REPO).replaces:
+        assert rel in lacking and rel in deleted and rel in created, rel
+        assert deleted.index(rel) <= created.index(rel), rel
 
 
 def test_export_applies_with_git_am_and_reproduces_the_fork(
@@ -115,8 +153,25 @@ def test_export_applies_with_git_am_and_reproduces_the_fork(
 ) -> None:
     upstream = tmp_path / "upstream"
     placeholders = upstream_layout(upstream)
+    # A file of upstream's tree the wheel lacks is an empty placeholder here,
+    # so the deletion of one (by the blob id of upstream's tree, which git am
+    # checks) is pointed at the placeholder's blob instead.
+    blobs = forklib.load_upstream_tree(REPO).blobs
+    mails = tmp_path / "mails"
+    mails.mkdir()
+    files = []
+    for path in exported.files:
+        text = path.read_text()
+        for rel in upstream_deletions():
+            line = f"index {blobs[rel]}..{NO_BLOB}\n"
+            section = f"diff --git a/{rel} b/{rel}\ndeleted file mode "
+            if section in text:
+                assert line in text, f"{path.name}: {rel}"
+                text = text.replace(line, f"index {EMPTY_BLOB}..{NO_BLOB}\n")
+        files.append(mails / path.name)
+        files[-1].write_text(text)
     proc = forklib.git(
-        ["am", "--empty=drop", "-q", *map(str, exported.files)], upstream, check=False
+        ["am", "--empty=drop", "-q", *map(str, files)], upstream, check=False
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     log = forklib.git(
@@ -138,6 +193,9 @@ def test_export_applies_with_git_am_and_reproduces_the_fork(
     )
     for rel in only_placeholders:
         assert applied[rel] == b"", f"{rel}: a placeholder the export changed"
+    # the files the stack deletes upstream are gone, or the overlay's
+    for rel in upstream_deletions():
+        assert applied.get(rel) == fork_files.get(rel), rel
 
 
 def test_no_exported_commit_is_over_the_limit(exported: stack.Export) -> None:
@@ -183,7 +241,10 @@ def test_cover_letter_summarises_the_stack(exported: stack.Export) -> None:
     for line in table:
         assert line.rstrip() in text, line
     for test in {
-        c.path for p in exported.patches for c in forklib.diff_changes(p.read_text())
+        c.new_path
+        for p in exported.patches
+        for c in forklib.diff_changes(p.read_text())
+        if c.new_path is not None
     }:
         if forklib.is_test_file(test):
             assert test in blurb, test
@@ -197,7 +258,7 @@ def test_export_refuses_an_overlay_file_that_differs_from_upstreams(
     rel = "torchrec/distributed/test_utils/__init__.py"
     assert rel in upstream.blobs and not (repo_copy / rel).exists()
     (repo_copy / rel).write_text("# not upstream's\n")
-    series = repo_copy / "patches" / "series"
+    series = forklib.patches_dir(repo_copy) / "series"
     first = forklib.read_series(repo_copy)[0]
     series.write_text(series.read_text().replace(first, f"{first}\n#+ {rel}", 1))
     with pytest.raises(stack.StackError, match=re.escape(rel)):
@@ -213,7 +274,7 @@ def test_materialized_tree_history(tmp_path: Path) -> None:
         message = forklib.git(["log", "-1", "--format=%B", commit], tree).stdout
         assert (
             message.strip()
-            == forklib.parse_patch(REPO / "patches" / name).message.strip()
+            == forklib.parse_patch(forklib.patches_dir(REPO) / name).message.strip()
         )
     # the overlay is present (linked to the repo), but not part of the history
     for rel in forklib.overlay_files(REPO):

@@ -57,7 +57,9 @@ def test_every_entry_has_a_message_and_tests_with_its_code() -> None:
     versions = forklib.stack_file_versions(REPO)
     for entry, writes in zip(forklib.load_stack(REPO), versions):
         assert entry.patch.subject and entry.patch.body, entry.name
-        assert stack.entry_tests(writes), f"{entry.name} has no tests of its own"
+        assert stack.entry_tests(
+            writes, entry.patch.diff
+        ), f"{entry.name} has no tests of its own"
 
 
 def test_overlay_diffs_rebuild_the_overlay() -> None:
@@ -134,14 +136,22 @@ def test_parse_series_grammar() -> None:
         "#+ torchrec/y.py\n"
         "#+ torchrec/tests/test_y.py\n"
         "c.patch  # trailing comment\n"
+        "#- torchrec/tests/test_upstream.py\n"
     )
     assert [(e.name, e.header_only, e.files) for e in entries] == [
         ("a.patch", False, ("torchrec/x.py",)),
         ("b.patch", True, ("torchrec/y.py", "torchrec/tests/test_y.py")),
         ("c.patch", False, ()),
     ]
+    assert [e.deletes for e in entries] == [
+        (),
+        (),
+        ("torchrec/tests/test_upstream.py",),
+    ]
     with pytest.raises(forklib.ForkError, match="before any patch"):
         forklib.parse_series_text("#+ torchrec/x.py\na.patch\n")
+    with pytest.raises(forklib.ForkError, match="before any patch"):
+        forklib.parse_series_text("#- torchrec/x.py\na.patch\n")
     with pytest.raises(forklib.ForkError, match="listed twice"):
         forklib.parse_series_text("a.patch\n#= a.patch\n")
 

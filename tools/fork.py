@@ -477,7 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
         "commit per entry of patches/series (its upstream diff, the overlay files "
         "it introduces, its overlay diff), message = the patch's header. 'git am "
         "--empty=drop DIR/*.patch' applies it to upstream's git tree at the base's "
-        "tag (the cover letter has no diff: --empty=drop skips it).",
+        "tag (the cover letter has no diff: --empty=drop skips it). A '#- PATH' "
+        "line of the series (a file of upstream's tree the wheel lacks) becomes "
+        "the deletion of PATH by upstream's blob id, which git am checks.",
     )
     tree_arg(p, DEFAULT_EXPORT)
     p.add_argument(

@@ -257,16 +257,21 @@ class SeriesEntry:
         files (Tuple[str, ...]): overlay files (``torchrec/...``, as the ``#+``
             lines below the entry name them) the entry introduces.
         line (int): line number of the entry in ``patches/series``.
+        deletes (Tuple[str, ...]): files of upstream's git tree that the base
+            wheel lacks (tests, say) which the entry's exported commit deletes
+            (``#-`` lines): no patch can, the build never sees them.
     """
 
     name: str
     header_only: bool
     files: Tuple[str, ...]
     line: int
+    deletes: Tuple[str, ...] = ()
 
 
 SERIES_HEADER_ONLY: str = "#="
 SERIES_FILE: str = "#+"
+SERIES_DELETE: str = "#-"
 OVERLAY_DIFF_SUFFIX: str = ".overlay.diff"
 
 
@@ -280,6 +285,9 @@ def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesE
       that only adds or changes overlay files; quilt cannot apply a patch
       without a diff, so it must not see it);
     * ``#+ PATH`` — an overlay file the entry above introduces;
+    * ``#- PATH`` — a file of upstream's git tree that the base wheel lacks
+      (so no patch can delete it), which the entry above deletes upstream:
+      its exported commit removes it, by the blob id of upstream's tree;
     * any other ``#`` line, and blank lines, are comments.
 
     Args:
@@ -290,26 +298,34 @@ def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesE
         List[SeriesEntry]: the entries, in order.
 
     Raises:
-        ForkError: on a ``#+`` line before any entry or a repeated entry name.
+        ForkError: on a ``#+`` or ``#-`` line before any entry or a repeated
+            entry name.
     """
     entries: List[SeriesEntry] = []
     names: Set[str] = set()
     files: List[str] = []
+    deletes: List[str] = []
 
     def close() -> None:
         if entries:
             last = entries[-1]
-            entries[-1] = dataclasses.replace(last, files=tuple(files))
+            entries[-1] = dataclasses.replace(
+                last, files=tuple(files), deletes=tuple(deletes)
+            )
         files.clear()
+        deletes.clear()
 
     for number, raw in enumerate(text.splitlines(), start=1):
         stripped = raw.strip()
-        if stripped.startswith(SERIES_FILE):
-            path = stripped[len(SERIES_FILE) :].strip()
+        marker = next(
+            (m for m in (SERIES_FILE, SERIES_DELETE) if stripped.startswith(m)), None
+        )
+        if marker is not None:
             if not entries:
                 raise ForkError(f"{origin}:{number}: '{stripped}' before any patch")
+            path = stripped[len(marker) :].strip()
             if path:
-                files.append(path)
+                (files if marker == SERIES_FILE else deletes).append(path)
             continue
         header_only = stripped.startswith(SERIES_HEADER_ONLY)
         if header_only:
@@ -421,12 +437,15 @@ class StackEntry:
         files (Tuple[str, ...]): overlay files the commit introduces.
         overlay_diff (str): the commit's changes to overlay files introduced by
             earlier entries (``patches/NAME.overlay.diff``; empty if none).
+        deletes (Tuple[str, ...]): files of upstream's git tree the wheel
+            lacks that the commit deletes upstream (``#-`` lines).
     """
 
     patch: Patch
     header_only: bool
     files: Tuple[str, ...]
     overlay_diff: str
+    deletes: Tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -535,6 +554,7 @@ def load_stack(repo: Path = REPO_ROOT) -> List[StackEntry]:
                 header_only=entry.header_only,
                 files=entry.files,
                 overlay_diff=extra.read_text() if extra.exists() else "",
+                deletes=entry.deletes,
             )
         )
     return stack
@@ -724,11 +744,14 @@ class UpstreamTree:
         tag (str): the tag (e.g. ``v1.1.0``).
         commit (str): the tag's commit.
         blobs (Dict[str, str]): path -> blob id of every file.
+        modes (Dict[str, str]): path -> git file mode of every file
+            (``100644``, ``100755``, ...).
     """
 
     tag: str
     commit: str
     blobs: Dict[str, str]
+    modes: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def upstream_tree_file(repo: Path = REPO_ROOT) -> Path:
@@ -758,6 +781,7 @@ def load_upstream_tree(repo: Path = REPO_ROOT) -> UpstreamTree:
     if tag is None or commit is None:
         raise ForkError(f"{path.name}: the header must name 'tag TAG (commit SHA)'")
     blobs: Dict[str, str] = {}
+    modes: Dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip() or line.startswith("#"):
             continue
@@ -767,7 +791,10 @@ def load_upstream_tree(repo: Path = REPO_ROOT) -> UpstreamTree:
             raise ForkError(f"{path.name}: malformed line {line!r}")
         if fields[1] == "blob":
             blobs[rel] = fields[2]
-    return UpstreamTree(tag=tag.group(1), commit=commit.group(1), blobs=blobs)
+            modes[rel] = fields[0]
+    return UpstreamTree(
+        tag=tag.group(1), commit=commit.group(1), blobs=blobs, modes=modes
+    )
 
 
 def git_blob_id(data: bytes) -> str:
@@ -788,16 +815,19 @@ def upstream_problems(
     pre-image the patches were made against), no patch may create a file
     upstream has, and an overlay file upstream has must be identical to it
     (the export then leaves it out; the build needs it because the wheel
-    lacks it) unless a patch of the stack deletes upstream's file (the
-    overlay's then replaces it) or the base declares that the overlay file
-    replaces upstream's (``replaces``: it must be an overlay file of the
-    stack, in upstream's tree and not in the wheel).
+    lacks it) unless the stack deletes upstream's file first (the overlay's
+    then replaces it): with a patch, or, for a file the wheel lacks, with a
+    ``#-`` line, and then the base must declare that the overlay file
+    replaces upstream's (``replaces``: an overlay file of the stack, in
+    upstream's tree and not in the wheel). A ``#-`` line names a file of
+    upstream's tree the wheel lacks, deleted once.
 
     Args:
         repo (Path): the fork repository.
         stack (Sequence[StackEntry]): its stack.
         upstream (UpstreamTree): upstream's tree at the base's tag.
         wheel_files (Mapping[str, bytes]): the base wheel's files.
+        replaces (Sequence[str]): the base's ``replaces`` (base.json).
 
     Returns:
         List[str]: the problems (empty when the stack applies upstream).
@@ -805,16 +835,21 @@ def upstream_problems(
     problems: List[str] = []
     at = f"upstream's git tree at {upstream.tag}"
     created: Set[str] = set()
-    for entry in stack:
+    # upstream files the stack deletes (a patch, or '#-' for files the wheel
+    # lacks) -> the index of the entry that deletes them
+    deleted: Dict[str, int] = {}
+    for k, entry in enumerate(stack):
         for change in diff_changes(entry.patch.diff):
             if change.old_path is None:
                 created.add(change.path)
-                if change.path in upstream.blobs:
+                if change.path in upstream.blobs and change.path not in deleted:
                     problems.append(
                         f"{entry.name} creates {change.path}, which {at} already has"
                     )
                 continue
             rel = change.old_path
+            if change.new_path is None and rel not in created:
+                deleted.setdefault(rel, k)
             if rel in created:
                 continue
             if rel not in upstream.blobs:
@@ -826,15 +861,19 @@ def upstream_problems(
                         f"{entry.name} changes {rel}: the wheel's copy (blob {blob}) "
                         f"is not the one in {at} (blob {upstream.blobs[rel]})"
                     )
-    # A base's series may delete an upstream file that the (base-agnostic)
-    # overlay then provides: the fork's file replaces it.
-    deleted = {
-        change.path
-        for entry in stack
-        for change in diff_changes(entry.patch.diff)
-        if change.new_path is None
-    }
-    introduced = {rel for entry in stack for rel in entry.files}
+        for rel in entry.deletes:
+            where = f"{entry.name}: '{SERIES_DELETE} {rel}'"
+            if rel in deleted or rel in created:
+                problems.append(f"{where}: the stack already deletes or creates it")
+            elif rel not in upstream.blobs:
+                problems.append(f"{where}: {at} lacks it")
+            elif rel in wheel_files:
+                problems.append(
+                    f"{where}: the wheel has it, so delete it with a patch instead"
+                )
+            else:
+                deleted[rel] = k
+    introduced = {rel: k for k, entry in enumerate(stack) for rel in entry.files}
     for rel in replaces:
         if rel not in introduced:
             problems.append(f"base.json: 'replaces' names {rel}, no overlay file")
@@ -845,17 +884,40 @@ def upstream_problems(
                 f"base.json: 'replaces' names {rel}, which the wheel has: delete "
                 f"upstream's file with a patch instead"
             )
-    for entry in stack:
+        elif rel not in deleted:
+            problems.append(
+                f"base.json: 'replaces' names {rel}, but no entry deletes upstream's "
+                f"file: add '{SERIES_DELETE} {rel}' below the entry that removes "
+                f"what it tests, or below {stack[introduced[rel]].name}"
+            )
+    for k, entry in enumerate(stack):
         for rel in entry.files:
-            if rel in deleted or rel in replaces:
+            if rel not in upstream.blobs or not (repo / rel).is_file():
                 continue
-            if rel in upstream.blobs and (repo / rel).is_file():
-                blob = git_blob_id((repo / rel).read_bytes())
-                if blob != upstream.blobs[rel]:
+            if rel in deleted and (rel in replaces or rel in wheel_files):
+                # the fork's file replaces upstream's, once that is gone
+                if deleted[rel] > k:
                     problems.append(
-                        f"overlay file {rel} exists in {at} with other content "
-                        f"(blob {upstream.blobs[rel]}): change it with a patch"
+                        f"{entry.name} introduces {rel} before "
+                        f"{stack[deleted[rel]].name} deletes upstream's file"
                     )
+                continue
+            if rel in replaces:
+                continue  # reported above: nothing deletes upstream's file
+            blob = git_blob_id((repo / rel).read_bytes())
+            if blob == upstream.blobs[rel]:
+                continue
+            if rel in deleted:
+                problems.append(
+                    f"overlay file {rel} replaces upstream's, which "
+                    f"{stack[deleted[rel]].name} deletes: name it in base.json's "
+                    f"'replaces'"
+                )
+            else:
+                problems.append(
+                    f"overlay file {rel} exists in {at} with other content "
+                    f"(blob {upstream.blobs[rel]}): change it with a patch"
+                )
     return problems
 
 

@@ -28,7 +28,7 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,6 +75,11 @@ class StackCommit:
     def changed_lines(self) -> int:
         """Lines added plus lines removed."""
         return sum(added + removed for _, added, removed in self.files)
+
+    @property
+    def file_count(self) -> int:
+        """Files the commit changes, upstream's it deletes (``#-``) included."""
+        return len(self.files) + len(self.entry.deletes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +196,9 @@ def build_stack_repo(
     with the base wheel's files plus the overlay files upstream's git tree
     already has (identical; the wheel lacks them), then one commit per stack
     entry: its upstream diff, the overlay files it introduces and its changes
-    to earlier ones, with the patch's subject and body as message.
+    to earlier ones, with the patch's subject and body as message. Files of
+    upstream's tree the wheel lacks are not in it, so the deletions of
+    ``#-`` lines are not either: :func:`export_stack` adds them.
 
     Args:
         tree (Path): where to create the repository (must not exist).
@@ -291,21 +298,44 @@ def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
         for line in out.splitlines():
             status, _, rel = line.partition("\t")
             changed[rel] = status
-        upstream_paths = sorted(p for p in changed if p not in overlay)
-        if _diff(tree, sha, upstream_paths) != entry.patch.diff:
+        # Upstream files the patch changes, at an overlay file's path too (a
+        # base's series may delete an upstream file whose place an overlay file
+        # takes, in this commit or a later one).
+        patched = {c.path: c for c in fl.diff_changes(entry.patch.diff)}
+        replaced = {
+            rel: patched[rel]
+            for rel in entry.files
+            if rel in patched and patched[rel].new_path is None
+        }
+        upstream_paths = sorted(
+            p
+            for p in changed
+            if (p not in overlay or p in patched) and p not in replaced
+        )
+        expected = entry.patch.diff
+        if replaced:
+            sections = _sections(expected)
+            expected = "".join(sections[p] for p in sections if p not in replaced)
+        if _diff(tree, sha, upstream_paths) != expected or any(
+            not _has_blob(tree, f"{sha}^", rel, change.old_blob or "")
+            for rel, change in replaced.items()
+        ):
             raise fl.ForkError(
                 f"commit {sha[:12]} ({entry.name}) changes upstream files unlike "
                 f"patches/{entry.name}; change those with materialize and refresh"
             )
         for rel in entry.files:
-            if changed.get(rel, "A") != "A":
+            if changed.get(rel, "A") != ("M" if rel in replaced else "A"):
                 raise fl.ForkError(
                     f"commit {sha[:12]} ({entry.name}) must add {rel}, not change it"
                 )
         stray = [
             p
             for p in changed
-            if p in overlay and p not in entry.files and p not in earlier
+            if p in overlay
+            and p not in entry.files
+            and p not in earlier
+            and p not in patched
         ]
         if stray:
             raise fl.ForkError(
@@ -334,6 +364,12 @@ def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
             path.unlink()
             written.append(path)
     return written
+
+
+def _has_blob(tree: Path, rev: str, rel: str, blob: str) -> bool:
+    """Whether ``rel`` at ``rev`` is the blob ``blob`` (an abbreviated id)."""
+    proc = fl.git(["rev-parse", f"{rev}:{rel}"], tree, check=False)
+    return bool(blob) and proc.returncode == 0 and proc.stdout.strip().startswith(blob)
 
 
 def _file_diff(rel: str, before: bytes, after: bytes) -> str:
@@ -481,19 +517,20 @@ def cover_letter_text(
     width = len(str(total))
     stack = "\n".join(
         f"  {i:0{width}d}/{total} {c.entry.patch.subject} "
-        f"({len(c.files)} file{'s' if len(c.files) != 1 else ''}, "
+        f"({c.file_count} file{'s' if c.file_count != 1 else ''}, "
         f"{c.changed_lines} lines)"
         for i, c in enumerate(commits, start=1)
     )
+    base = fl.load_base(repo)
     tests = sorted(
         {
             path
             for c in commits
             for path, _, _ in c.files
-            if fl.is_test_file(path) and path not in upstream.blobs
+            if fl.is_test_file(path)
+            and (path not in upstream.blobs or path in base.replaces)
         }
     )
-    base = fl.load_base(repo)
     text = string.Template(blurb.strip("\n")).substitute(
         stack=stack,
         tests=" \\\n".join(["    pytest"] + [f"        {t}" for t in tests]),
@@ -544,6 +581,12 @@ def export_stack(
         fl.git(args + [f"{fl.UPSTREAM_TAG}..HEAD"], tree, extra_env=identity)
     files = sorted(out.glob("*.patch"))
     letter = out / "0000-cover-letter.patch" if cover_letter else None
+    numbered = [f for f in files if f != letter]
+    for path, commit in zip(numbered, commits):
+        if commit.entry.deletes:
+            path.write_text(
+                add_upstream_deletions(path.read_text(), commit.entry.deletes, upstream)
+            )
     if letter is not None:
         subject, blurb = cover_letter_text(repo, commits, upstream)
         text = letter.read_text()
@@ -553,6 +596,99 @@ def export_stack(
         letter.write_text(text)
     patches = [f for f in files if f != letter]
     return Export(letter, patches, commits)
+
+
+#: The ``GIT binary patch`` of an empty post-image (``literal 0``).
+_EMPTY_BINARY_HUNK: str = "literal 0\nHcmV?d00001\n\n"
+
+
+def upstream_deletion(rel: str, upstream: fl.UpstreamTree) -> str:
+    """
+    A ``diff --git`` section that deletes ``rel`` from upstream's git tree
+    without knowing its content: a binary patch to an empty file, whose full
+    ``index`` line names upstream's blob. ``git apply`` (and so ``git am``)
+    checks that the file it deletes has exactly that blob id.
+    """
+    return (
+        f"diff --git a/{rel} b/{rel}\n"
+        f"deleted file mode {upstream.modes.get(rel, '100644')}\n"
+        f"index {upstream.blobs[rel]}..{'0' * 40}\n"
+        f"GIT binary patch\n{_EMPTY_BINARY_HUNK}"
+    )
+
+
+def _stat_name(rel: str, width: int) -> str:
+    """``rel`` as ``git diff --stat`` shows it in a column ``width`` wide:
+    whole, or its tail after a ``/`` behind ``...``."""
+    if len(rel) <= width:
+        return rel.ljust(width)
+    tail = rel[len(rel) - width + 3 :]
+    if "/" in tail:
+        tail = tail[tail.index("/") :]
+    return ("..." + tail).ljust(width)
+
+
+def add_upstream_deletions(
+    mail: str, deletes: Sequence[str], upstream: fl.UpstreamTree
+) -> str:
+    """
+    Add to a ``git format-patch`` mail the deletion of upstream files that
+    the stack repository never had (the wheel lacks them; ``#-`` lines of
+    the series): a section per file (see :func:`upstream_deletion`) in git's
+    path order (before a section that creates the same path), and a line per
+    file in the diffstat and its summary.
+    """
+    message, sep, body = mail.partition("\n---\n")
+    stat, sep2, diff = body.partition("\ndiff --git ")
+    if not sep or not sep2:
+        raise fl.ForkError("not a git format-patch mail with a diff")
+    parts = re.split(r"^(?=diff --git )", "diff --git " + diff, flags=re.MULTILINE)
+    parts = [part if part.endswith("\n") else part + "\n" for part in parts if part]
+    stat_lines = stat.split("\n")
+    rows = [i for i, line in enumerate(stat_lines) if " | " in line]
+    if not rows or len(rows) != len(parts):
+        raise fl.ForkError("the diffstat does not list one line per file")
+    width = stat_lines[rows[0]].index(" | ") - 1
+    # (path, section, its diffstat line), in git's order
+    sections = [
+        (fl.diff_changes(part)[0].path, part, stat_lines[row])
+        for part, row in zip(parts, rows)
+    ]
+    for rel in sorted(deletes):
+        at = next((k for k, s in enumerate(sections) if s[0] >= rel), len(sections))
+        line = f" {_stat_name(rel, width)} | Bin"
+        sections.insert(at, (rel, upstream_deletion(rel, upstream), line))
+    first, last = rows[0], rows[-1]
+    head = stat_lines[:first] + [section[2] for section in sections]
+    tail = stat_lines[last + 1 :]
+    for k, line in enumerate(tail):
+        match = re.match(r" (\d+) files? changed", line)
+        if match:
+            count = int(match.group(1)) + len(deletes)
+            tail[k] = re.sub(
+                r"^ \d+ files? changed",
+                f" {count} file{'s' if count != 1 else ''} changed",
+                line,
+            )
+            modes = [
+                k + 1 + j
+                for j, mode in enumerate(tail[k + 1 :])
+                if re.match(r" (create|delete) mode ", mode)
+            ]
+            new_modes = [
+                f" delete mode {upstream.modes.get(rel, '100644')} {rel}"
+                for rel in deletes
+            ]
+            old_modes = [tail[j] for j in modes]
+            merged = sorted(  # by path; a deletion before a creation of it
+                old_modes + new_modes,
+                key=lambda m: (m.split(" ", 4)[-1], m.split()[0] != "delete"),
+            )
+            at = modes[0] if modes else k + 1
+            tail[at : at + len(modes)] = merged
+            break
+    text = "".join(section[1] for section in sections)
+    return message + "\n---\n" + "\n".join(head + tail) + "\n" + text
 
 
 def oversized(
@@ -581,7 +717,7 @@ def stack_table(commits: Sequence[StackCommit]) -> str:
     for i, commit in enumerate(commits, start=1):
         flag = "  << over the limit" if commit.changed_lines > MAX_CHANGED_LINES else ""
         rows.append(
-            f"{i:02d}  {commit.changed_lines:5d}  {len(commit.files):5d}  "
+            f"{i:02d}  {commit.changed_lines:5d}  {commit.file_count:5d}  "
             f"{commit.entry.name}: {commit.entry.patch.subject}{flag}"
         )
     return "\n".join(rows)
@@ -640,9 +776,19 @@ def _invalidate_bytecode(tree: Path, rels: Sequence[str]) -> None:
             cached.unlink()
 
 
-def entry_tests(writes: Dict[str, bytes]) -> List[str]:
-    """The tests an entry owns: the test modules it introduces or changes."""
-    return sorted(rel for rel in writes if fl.is_test_file(rel))
+def entry_tests(writes: Mapping[str, bytes], patch_diff: str = "") -> List[str]:
+    """
+    The tests an entry owns: the test modules it introduces or changes, as
+    overlay files (``writes``, see :func:`tools.forklib.stack_file_versions`)
+    or with its patch (``patch_diff``: a test module a base's series adds to
+    upstream's tree, or an upstream test it changes).
+    """
+    patched = {
+        change.new_path
+        for change in fl.diff_changes(patch_diff)
+        if change.new_path is not None
+    }
+    return sorted(rel for rel in {*writes, *patched} if fl.is_test_file(rel))
 
 
 def bisect_check(
@@ -729,7 +875,7 @@ def _check_entry(
     present: Sequence[str],
     pytest_args: Sequence[str],
 ) -> BisectResult:
-    tests = entry_tests(writes)
+    tests = entry_tests(writes, entry.patch.diff)
     if not tests:
         return BisectResult(
             index, entry.name, [], False, "no tests of its own", 0.0, ""
