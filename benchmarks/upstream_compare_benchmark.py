@@ -967,14 +967,22 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def checks_text(results: List[str], warmup: List[str]) -> str:
+def checks_text(
+    results: List[Optional[str]],
+    directions: List[str],
+    warmup: List[Optional[str]],
+) -> str:
     """
-    Per-repetition results: "exact x3" when all are exact, else each one in
-    order (and the warmup's, when it was wrong).
+    The repetitions' results, counted: "exact x4" when every one is exact,
+    else per direction and result in order of appearance (e.g. "B->A exact
+    x2; A->B WRONG (max abs diff 12) x2"); the warmup's are added when one
+    was wrong.
 
     Args:
-        results (List[str]): the measured repetitions' results.
-        warmup (List[str]): the warmup repetitions' results.
+        results (List[Optional[str]]): the measured repetitions' results
+            (None: not checked).
+        directions (List[str]): their directions ("A->B" / "B->A").
+        warmup (List[Optional[str]]): the warmup repetitions' results.
 
     Returns:
         str: the cell.
@@ -983,12 +991,20 @@ def checks_text(results: List[str], warmup: List[str]) -> str:
         text = "-"
     elif all(r is None for r in results):
         text = "n/a"
-    elif all(r == "exact" for r in results):
-        text = f"exact x{len(results)}"
+    elif len(set(results)) == 1:
+        text = f"{results[0]} x{len(results)}"
     else:
-        text = " | ".join(f"{i + 1}: {r}" for i, r in enumerate(results))
-    if any(w not in ("exact", None) for w in warmup):
-        text += " (warmup: " + " | ".join(warmup) + ")"
+        counts: Dict[Tuple[str, Optional[str]], int] = {}
+        for d, r in zip(directions, results):
+            counts[(d, r)] = counts.get((d, r), 0) + 1
+        text = "; ".join(f"{d} {r} x{n}" for (d, r), n in counts.items())
+    wrong = [w for w in warmup if w not in ("exact", None)]
+    if wrong and len(set(wrong)) == 1 and wrong[0] in results:
+        text += f" (+ warmup x{len(wrong)})"
+    elif wrong:
+        text += f"; warmup: {wrong[0]} x{len(wrong)}"
+        if len(set(wrong)) > 1 or len(wrong) < len(warmup):
+            text += " (" + " | ".join(str(w) for w in warmup) + ")"
     return text
 
 
@@ -1037,7 +1053,7 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
             f"{_fmt(r['min_s'], '7.3f'):>7} {_fmt(r['median_s'], '8.3f'):>8} "
             f"{_fmt(x_min, '6.2f'):>6} {_fmt(x_med, '6.2f'):>6} "
             f"{_fmt(r['peak_mib'], '8.0f'):>8} {_fmt(r['held_mib'], '8.0f'):>8}  "
-            f"{w_cell:<9} {checks_text(r['forward'], r['forward_warmup'])}"
+            f"{w_cell:<9} {checks_text(r['forward'], r['directions'], r['forward_warmup'])}"
             + (f"  FAILED: {r['error']}" if r["error"] else "")
         )
     lines += [
@@ -1125,7 +1141,11 @@ def run_driver(args: argparse.Namespace) -> int:
         f"fused kernel, {args.optimizer}; size = weight MiB each rank sends per move; "
         f"{args.rounds} round(s) of every side one after the other, each with "
         f"{args.reps} measured reps (+{args.warmup} warmup); "
-        f"PYTHONHASHSEED={args.hash_seed} on every rank"
+        + (
+            "PYTHONHASHSEED unset (random per process)"
+            if args.hash_seed == "random"
+            else f"PYTHONHASHSEED={args.hash_seed} on every rank"
+        )
     )
     print(header, flush=True)
     rows = []
@@ -1140,7 +1160,7 @@ def run_driver(args: argparse.Namespace) -> int:
                     print(
                         f"  {size:g} MiB {move} round {rnd + 1} {side}: times "
                         f"{[round(t, 3) for t in row['times_s']]}, forward "
-                        f"{checks_text(row['forward'], row['forward_warmup'])}, "
+                        f"{checks_text(row['forward'], row['directions'], row['forward_warmup'])}, "
                         f"{res['wall_s']:.0f} s in all"
                         + (f", FAILED: {row['error']}" if row["error"] else ""),
                         flush=True,
@@ -1246,6 +1266,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="a move taking longer fails its side (stacks on stderr)",
     )
     p.add_argument("--side-timeout-s", type=int, default=3600, help="limit per side")
+    p.add_argument(
+        "--print-saved",
+        metavar="JSON",
+        help="print the table of a saved run (its results JSON) and exit",
+    )
     # --side mode (what the driver starts)
     p.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -1259,6 +1284,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def print_saved(path: str) -> None:
+    """
+    Prints the table and the breakdown of a saved run again.
+
+    Args:
+        path (str): an ``upstream_compare_benchmark.json`` the driver wrote.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    print(data["header"])
+    print("command: python " + " ".join(data["argv"]))
+    print()
+    print(table_text(data["rows"]))
+    breakdown = breakdown_text(data["rows"])
+    if breakdown:
+        print("\n" + breakdown)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """
     Entry point: the driver, or one side (``--side``).
@@ -1269,6 +1312,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     if args.side:
         run_side(args)
+        return
+    if args.print_saved:
+        print_saved(args.print_saved)
         return
     sys.exit(run_driver(args))
 
