@@ -104,11 +104,12 @@ def _module_api_rank(
         assert isinstance(delta, EmbeddingModuleShardingPlan)
         changed = ["t0", "t1"] if kind == "table_wise" else ["t2"]
         assert sorted(delta) == changed
+        # upstream's definition: MiB of every shard of the changed tables, fp32
         assert volume == sum(
             c.num_embeddings * c.embedding_dim
             for c in ebc.embedding_bag_configs()
             if c.name in changed
-        )
+        ) * 4 / (1024 * 1024)
         weights = global_weights(module, pg)
         opt_state = global_optimizer_state(module, pg)
 

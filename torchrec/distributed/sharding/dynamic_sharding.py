@@ -369,18 +369,22 @@ def _changed(old: ParameterSharding, new: ParameterSharding) -> bool:
     )
 
 
-def _moved_elements(old: ParameterSharding, new: ParameterSharding) -> float:
-    """Elements (rows x columns) of the new shards that no old shard already
-    holds with the same offsets, sizes and placement."""
-    kept = set(_shard_keys(old))
-    moved = 0
-    for offsets, sizes, placement in _shard_keys(new):
-        if (offsets, sizes, placement) not in kept:
-            count = 1
-            for size in sizes:
-                count *= size
-            moved += count
-    return float(moved)
+# The data volume of a delta, as TorchRec's reshard API defines it: MiB of
+# every shard of each changed table, at 4 bytes (fp32) per element.
+_BYTES_PER_ELEMENT = 4
+_MIB: int = 1024 * 1024
+
+
+def _table_mib(ps: ParameterSharding) -> float:
+    """MiB of every shard of a table's new sharding, at 4 bytes per element
+    (0 for a sharding without shard metadata: data-parallel)."""
+    elements = 0
+    for _, sizes, _ in _shard_keys(ps):
+        count = 1
+        for size in sizes:
+            count *= size
+        elements += count
+    return elements * _BYTES_PER_ELEMENT / _MIB
 
 
 def output_sharding_plan_delta_single(
@@ -397,12 +401,13 @@ def output_sharding_plan_delta_single(
     Args:
         old_plan (EmbeddingModuleShardingPlan): the module's current plan.
         new_plan (EmbeddingModuleShardingPlan): its new plan, for the same tables.
-        return_data_volume (bool): also count the data the delta moves.
+        return_data_volume (bool): also compute the delta's data volume.
 
     Returns:
-        Tuple[float, EmbeddingModuleShardingPlan]: the data volume (the
-        elements, rows x columns, of the new shards that are not already in
-        place; 0 unless ``return_data_volume``) and the delta.
+        Tuple[float, EmbeddingModuleShardingPlan]: the data volume as
+        TorchRec's reshard API defines it (MiB of every shard of every table
+        in the delta, 4 bytes per element whatever the table's data type; 0
+        unless ``return_data_volume``) and the delta.
 
     Raises:
         ValueError: when the plans do not name the same tables.
@@ -419,7 +424,7 @@ def output_sharding_plan_delta_single(
         if _changed(old, new):
             delta[table] = copy.deepcopy(new)
             if return_data_volume:
-                volume += _moved_elements(old, new)
+                volume += _table_mib(new)
     return volume, delta
 
 
@@ -438,7 +443,7 @@ def output_sharding_plans_delta(
             current plan.
         new_plan (Dict[str, EmbeddingModuleShardingPlan]): per module FQN, its
             new plan (the same modules).
-        return_data_volume (bool): also count the data each delta moves.
+        return_data_volume (bool): also compute each delta's data volume.
 
     Returns:
         Dict[str, Tuple[float, EmbeddingModuleShardingPlan]]: per module FQN,

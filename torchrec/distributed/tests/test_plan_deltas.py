@@ -25,6 +25,11 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan
 WORLD_SIZE = 4
 
 
+def _mib(elements: int) -> float:
+    """The data volume TorchRec's reshard API reports: MiB at 4 bytes each."""
+    return elements * 4 / (1024 * 1024)
+
+
 def _plan(specs: dict) -> EmbeddingModuleShardingPlan:  # pyre-ignore[24]
     return make_plan(make_ebc(3), specs, WORLD_SIZE, WORLD_SIZE, "fused")
 
@@ -54,7 +59,7 @@ class PlanDeltaTest(unittest.TestCase):
         self.assertEqual(list(delta), ["t0"])
         self.assertEqual(delta["t0"], new["t0"])
         self.assertIsNot(delta["t0"], new["t0"])  # a copy: the caller's plan stays
-        self.assertEqual(volume, 24 * 16)
+        self.assertEqual(volume, _mib(24 * 16))
         # without return_data_volume the volume is 0
         self.assertEqual(output_sharding_plan_delta_single(old, new)[0], 0.0)
 
@@ -64,7 +69,7 @@ class PlanDeltaTest(unittest.TestCase):
             old, new, return_data_volume=True
         )
         self.assertEqual(list(delta), ["t1"])
-        self.assertEqual(volume, 27 * 16)  # both halves move
+        self.assertEqual(volume, _mib(27 * 16))  # every shard of t1
 
     def test_type_change_and_kernel_change(self) -> None:
         old = _plan(A)
@@ -86,7 +91,7 @@ class PlanDeltaTest(unittest.TestCase):
         new = {"a": _plan({**A, "t0": ("table_wise", 2)}), "b": _plan(A)}
         deltas = output_sharding_plans_delta(old, new, return_data_volume=True)
         self.assertEqual(sorted(deltas), ["a", "b"])
-        self.assertEqual(deltas["a"][0], 24 * 16)
+        self.assertEqual(deltas["a"][0], _mib(24 * 16))
         self.assertEqual(list(deltas["a"][1]), ["t0"])
         self.assertEqual(deltas["b"], (0.0, EmbeddingModuleShardingPlan()))
         with self.assertRaisesRegex(ValueError, "different modules"):
