@@ -477,6 +477,9 @@ class ModelMove(Participant):
             raise ReshardError(
                 "the dense part of the new model differs from the old one's"
             )
+        # kept shards got kernels of their own: outputs in the direct order
+        for module in sharded_modules(self._new_model.module).values():
+            adapter_for(module).keep_direct_output_order()
 
     # ---------------------------------------------------------- the exchange
 

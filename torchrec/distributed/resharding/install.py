@@ -43,6 +43,7 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     validate_parameter_sharding,
 )
+from torchrec.distributed.resharding.storage import direct_output_order
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -155,6 +156,15 @@ class ShardedModuleAdapter(abc.ABC):
     ) -> None:
         """Installs the new groups through the module's own method."""
         self.module._install_sharding_groups(dict(infos), shardings, lookups)
+        self.keep_direct_output_order()
+
+    def keep_direct_output_order(self) -> None:
+        """
+        Has the module's forward list its outputs in the order of a module
+        sharded directly under its plan, whatever kernels the tables that
+        stayed put keep (see ``storage.direct_output_order``). Nothing to do
+        for a module whose output is keyed only (a dict).
+        """
 
     # ------------------------------------------------------------- validation
 
@@ -252,6 +262,18 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
             permute_embeddings=True,
             qcomm_codecs_registry=self.module.qcomm_codecs_registry,
         )
+
+    def keep_direct_output_order(self) -> None:
+        """
+        The pooled output (a KeyedTensor, read by position too) lists its
+        features as a module sharded directly under the plan does.
+        """
+        infos = self.sharding_infos()
+        order = direct_output_order(
+            [(sharding, infos[t]) for t, sharding, _ in self.groups()]
+        )
+        if order is not None:
+            self.module._set_output_key_order(order)
 
 
 def adapter_for(module: nn.Module) -> ShardedModuleAdapter:

@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._tensor import DTensor
 from torchrec.distributed.batched_embedding_kernel import KernelBuildHooks
-from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo, group_tables
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 from torchrec.distributed.resharding.memory import release_pages
 from torchrec.distributed.resharding.options import (  # noqa: F401 (its old home)
@@ -308,6 +308,57 @@ def key_rebuilt_groups(
                     param=info.param,
                     fused_params=fused_params,
                 )
+
+
+def direct_output_order(
+    groups: Sequence[Tuple[Any, Sequence[EmbeddingShardingInfo]]],
+) -> Optional[List[str]]:
+    """
+    The output keys (embedding names) of a module whose tables in runs of kept
+    shards have kernels of their own, in the order a module sharded directly
+    under the same plan lists them. A sharding lists its keys in the order of
+    its tables' grouping into kernels, rank after rank (a key once, for
+    column shards); a kept run's batch key makes a kernel of its own, so it
+    may list the rank's tables in another order than the grouping without
+    it, which this one follows. Pure: the shardings' own ``_shard`` and
+    TorchRec's ``group_tables``.
+
+    Args:
+        groups (Sequence[Tuple[Any, Sequence[EmbeddingShardingInfo]]]): the
+            module's (sharding, its tables' infos) per group, in group order.
+
+    Returns:
+        Optional[List[str]]: the keys, or None when no table has a kept
+        batch key (the module lists them in that order already).
+    """
+    infos_of = [list(infos) for _, infos in groups]
+    if not any(
+        isinstance((info.fused_params or {}).get(BATCH_KEY), KeptBatchKey)
+        for infos in infos_of
+        for info in infos
+    ):
+        return None
+    keys: List[str] = []
+    for (sharding, _), infos in zip(groups, infos_of):
+        direct = [
+            EmbeddingShardingInfo(
+                embedding_config=info.embedding_config,
+                param_sharding=info.param_sharding,
+                param=info.param,
+                fused_params=with_batch_key(
+                    info.fused_params, user_batch_key(info.fused_params)
+                ),
+            )
+            for info in infos
+        ]
+        names = (
+            name
+            for rank_groups in group_tables(sharding._shard(direct))
+            for config in rank_groups
+            for name in config.embedding_names()
+        )
+        keys += list(dict.fromkeys(names))
+    return keys
 
 
 # ------------------------------------------------------------------- memory

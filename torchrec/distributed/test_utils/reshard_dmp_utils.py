@@ -50,14 +50,13 @@ class SparseArch(nn.Module):
         self.seq = seq
 
     def forward(self, features: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
-        # Pooled embeddings are read by key, as in DLRM: the key order of a
-        # sharded EBC's KeyedTensor depends on the plan and kernel grouping.
-        pooled_a = self.sparse_a(features[0]).to_dict()
-        pooled_b = self.sparse_b(features[1]).to_dict()
+        # Pooled embeddings are read by position: a model sharded directly
+        # under the same plan must list them in the same order.
+        pooled_a = self.sparse_a(features[0]).values()
+        pooled_b = self.sparse_b(features[1]).values()
         sequences = self.seq(features[2])
         return torch.cat(
-            [pooled_a[k].flatten() for k in sorted(pooled_a)]
-            + [pooled_b[k].flatten() for k in sorted(pooled_b)]
+            [pooled_a.flatten(), pooled_b.flatten()]
             + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
         )
 

@@ -60,9 +60,11 @@ class EmbeddingsModel(nn.Module):
         self.dense = nn.Linear(DIM, DIM)
 
     def forward(self, batch: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> Any:
-        pooled = self.ebc(batch[0]).to_dict()
+        # by position: a model sharded directly under the same plan must list
+        # the pooled features in the same order
+        pooled = self.ebc(batch[0]).values()
         sequences = self.ec(batch[1])
-        x = torch.cat([pooled[k] for k in sorted(pooled)], dim=0)
+        x = torch.cat(pooled.split(DIM, dim=1), dim=0)
         return torch.cat(
             [self.dense(x).flatten()]
             + [sequences[k].values().flatten() for k in sorted(sequences.keys())]

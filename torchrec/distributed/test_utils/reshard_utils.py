@@ -417,6 +417,28 @@ def _learning_rates(module: torch.nn.Module) -> Dict[str, float]:
     return rates
 
 
+def train_step_keyed(
+    module: ShardedEmbeddingBagCollection,
+    batch: KeyedJaggedTensor,
+    dense_optimizer: Optional[torch.optim.Optimizer] = None,
+) -> Tuple[List[str], torch.Tensor]:
+    """
+    One forward/backward (the fused optimizer steps inside backward).
+
+    Returns:
+        Tuple[List[str], torch.Tensor]: the keys of the forward's pooled
+        embeddings and their values, both in the output's own order (a model
+        may read them by position).
+    """
+    pooled = module(batch).wait()
+    values = pooled.values()
+    (values.float() ** 2).sum().backward()
+    if dense_optimizer is not None:
+        dense_optimizer.step()
+        dense_optimizer.zero_grad()
+    return list(pooled.keys()), values.detach()
+
+
 def train_step(
     module: ShardedEmbeddingBagCollection,
     batch: KeyedJaggedTensor,
@@ -426,17 +448,10 @@ def train_step(
     One forward/backward (the fused optimizer steps inside backward).
 
     Returns:
-        torch.Tensor: the pooled embeddings of the forward, features in sorted
-        order (the order of a KeyedTensor's keys depends on how the tables are
-        grouped into kernels; its content per key does not).
+        torch.Tensor: the pooled embeddings of the forward, in the output's
+        own order (:func:`train_step_keyed`).
     """
-    pooled = module(batch).wait().to_dict()
-    values = torch.cat([pooled[key] for key in sorted(pooled)], dim=1)
-    (values.float() ** 2).sum().backward()
-    if dense_optimizer is not None:
-        dense_optimizer.step()
-        dense_optimizer.zero_grad()
-    return values.detach()
+    return train_step_keyed(module, batch, dense_optimizer)[1]
 
 
 def assert_same_training(
@@ -446,13 +461,17 @@ def assert_same_training(
     kernel: str,
     device: torch.device,
 ) -> None:
-    """Same forward outputs, then the same state after each training step."""
+    """
+    Same forward outputs (the same keys in the same order, the same values at
+    the same positions), then the same state after each training step.
+    """
     dense_opts = [None, None]
     if kernel == EmbeddingComputeKernel.DENSE.value:
         dense_opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (m1, m2)]
     for batch in batches:
-        out1 = train_step(m1, batch.to(device), dense_opts[0])
-        out2 = train_step(m2, batch.to(device), dense_opts[1])
+        keys1, out1 = train_step_keyed(m1, batch.to(device), dense_opts[0])
+        keys2, out2 = train_step_keyed(m2, batch.to(device), dense_opts[1])
+        assert keys1 == keys2, (keys1, keys2)
         assert torch.equal(out1, out2), (out1, out2)
     assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
     assert_optimizer_states_equal(m1, m2)

@@ -18,7 +18,7 @@ Every case is also checked against a module sharded directly with the new plan
 
 import mmap
 import unittest
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -32,6 +32,7 @@ from torchrec.distributed.resharding.kernel_state import batched_kernels, local_
 from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
+    assert_reshard_matches_direct,
     assert_same_training,
     assert_state_dicts_equal,
     delta,
@@ -243,6 +244,72 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
             assert reports[-1].bytes_copied_locally == 0, reports[-1]
 
 
+# Moves after which the shards that stay on a rank are consecutive in their old
+# kernel but not in the rank's new table order: their kernel of its own (the
+# kept storage) would list the rank's tables in another order than a kernel
+# built directly. (world size, plans)
+_ORDER_CASES: Dict[str, Tuple[int, List[Dict[str, TableSpec]]]] = {
+    # rank 0 keeps t0, t2 and gets t1
+    "table_wise": (
+        2,
+        [
+            {
+                "t0": ("table_wise", 0),
+                "t1": ("table_wise", 1),
+                "t2": ("table_wise", 0),
+                "t3": ("table_wise", 1),
+            },
+            {
+                "t0": ("table_wise", 0),
+                "t1": ("table_wise", 0),
+                "t2": ("table_wise", 0),
+                "t3": ("table_wise", 1),
+            },
+        ],
+    ),
+    # ranks 0 and 1 keep their shards of t0, t1, t3 and get t2's
+    "column_wise": (
+        4,
+        [
+            {
+                "t0": ("column_wise", [0, 1]),
+                "t1": ("column_wise", [0, 1]),
+                "t2": ("column_wise", [2, 3]),
+                "t3": ("column_wise", [0, 1]),
+            },
+            {
+                "t0": ("column_wise", [0, 1]),
+                "t1": ("column_wise", [0, 1]),
+                "t2": ("column_wise", [0, 1]),
+                "t3": ("column_wise", [0, 1]),
+            },
+        ],
+    ),
+    # every rank keeps its rows of t0, t2 and gets rows of t1
+    "row_wise": (
+        2,
+        [
+            {
+                "t0": ("row_wise", None),
+                "t1": ("table_wise", 1),
+                "t2": ("row_wise", None),
+            },
+            {
+                "t0": ("row_wise", None),
+                "t1": ("row_wise", None),
+                "t2": ("row_wise", None),
+            },
+        ],
+    ),
+}
+
+
+def _run_output_order(
+    rank: int, world_size: int, port: str, plans: List[Dict[str, TableSpec]]
+) -> None:
+    assert_reshard_matches_direct(rank, world_size, port, plans, train_each_step=True)
+
+
 class ReshardStorageTest(ReshardTestBase):
     def test_kept_tables_keep_their_storage_fused(self) -> None:
         self.run_ranks(_run_kept_in_place, kernel=FUSED)
@@ -255,6 +322,16 @@ class ReshardStorageTest(ReshardTestBase):
 
     def test_kernels_per_group_stay_bounded(self) -> None:
         self.run_ranks(_run_kernels_bounded)
+
+    def test_kept_storage_keeps_the_output_order(self) -> None:
+        """
+        The forward's output lists its features in the order of a module
+        sharded directly under the new plan (keys and positions), although
+        the kept shards have kernels of their own.
+        """
+        for name, (world_size, plans) in _ORDER_CASES.items():
+            with self.subTest(name):
+                self.run_ranks(_run_output_order, world_size=world_size, plans=plans)
 
 
 if __name__ == "__main__":
