@@ -470,14 +470,23 @@ def agree_among_ranks(
         ReshardAbortedError: see :func:`agree_on_store`.
         ReshardError: see :func:`agree_on_store`.
     """
-    default = c10d._get_default_group()
     return agree_on_store(
-        c10d._get_default_store(),
+        job_store(),
         list(global_ranks).index(dist.get_rank()),
         global_ranks,
         digest,
         error,
         facts,
-        timeout or c10d._get_default_timeout(dist.get_backend(default)),
+        timeout or default_timeout(),
         merge,
     )
+
+
+def job_store() -> dist.Store:
+    """The store of the job's default process group, which every rank has."""
+    return c10d._get_default_store()
+
+
+def default_timeout() -> timedelta:
+    """The default process group's backend's timeout."""
+    return c10d._get_default_timeout(dist.get_backend(c10d._get_default_group()))

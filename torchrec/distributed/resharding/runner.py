@@ -47,7 +47,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-from torchrec.distributed.resharding.agreement import agree_among_ranks
+from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
 from torchrec.distributed.resharding.exchange import (
     ExchangeStats,
     execute_transfers,
@@ -60,11 +60,7 @@ from torchrec.distributed.resharding.plan import (
     ReshardAbortedError,
     ReshardError,
 )
-from torchrec.distributed.resharding.wire import (
-    default_timeout,
-    ExchangeGroup,
-    open_exchange_group,
-)
+from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 
 logger: logging.Logger = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ import logging
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+from torchrec.distributed.resharding.agreement import default_timeout, job_store
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -133,11 +133,14 @@ class ExchangeGroup:
         Returns:
             List[Any]: their works (wait with :meth:`wait`).
         """
+        by_peer: Dict[int, Tuple[List[Message], List[Message]]] = {}
+        for m in messages:
+            sends, recvs = by_peer.setdefault(m.peer, ([], []))
+            (sends if m.send else recvs).append(m)
         works = []
-        for peer in sorted({m.peer for m in messages}):
-            first_sends = self.rank < peer
-            ordered = [m for m in messages if m.peer == peer and m.send == first_sends]
-            ordered += [m for m in messages if m.peer == peer and m.send != first_sends]
+        for peer in sorted(by_peer):
+            sends, recvs = by_peer[peer]
+            ordered = sends + recvs if self.rank < peer else recvs + sends
             for m in ordered:
                 if m.send:
                     works.append(self.backend.send([m.tensor], m.peer, m.tag))
@@ -243,11 +246,6 @@ class ExchangeGroup:
             logger.debug("shutting the exchange group down failed", exc_info=True)
 
 
-def default_timeout() -> timedelta:
-    """The default process group's backend's timeout."""
-    return c10d._get_default_timeout(dist.get_backend(c10d._get_default_group()))
-
-
 def _connect(
     store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device
 ) -> Any:
@@ -291,9 +289,7 @@ def open_exchange_group(
     device = device or torch.device("cpu")
     ranks = list(global_ranks)
     rank = ranks.index(dist.get_rank())
-    store = dist.PrefixStore(
-        f"{STORE_PREFIX}/{transaction}/", c10d._get_default_store()
-    )
+    store = dist.PrefixStore(f"{STORE_PREFIX}/{transaction}/", job_store())
     try:
         backend = _connect(store, rank, len(ranks), timeout, device)
     except Exception as e:
