@@ -96,13 +96,14 @@ from torchrec.distributed.resharding.runner import (
 from torchrec.distributed.resharding.storage import (
     batch_keys,
     kept_runs,
+    KeptGrouping,
     KeptRun,
     KeptStorage,
     run_facts,
     storage_reuse_supported,
 )
 from torchrec.distributed.resharding.wire import ExchangeGroup
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -235,6 +236,35 @@ def _unchanged_tables(
             if same_kind and old[key] == new[key] and not old[key].replicated:
                 out.setdefault(path, set()).add(name)
     return out
+
+
+def _shards_in_rank_order(plan: ShardingPlan) -> bool:
+    """
+    Whether every sharded table of ``plan`` lists its shards in the order of
+    their ranks: then a sharded module that makes its ShardedTensors from the
+    plan's metadata lists their shards as one that gathers every rank's local
+    shards does, and its state dict is the one of a model sharded directly.
+    The hooks a move builds the new model under are in effect for all of its
+    modules, so the move asks for ShardedTensors from the plan only when this
+    holds for all of them; otherwise the modules gather, as TorchRec's default.
+
+    Args:
+        plan (ShardingPlan): the new plan.
+
+    Returns:
+        bool: whether every table's shards are listed in rank order.
+    """
+    for module_plan in plan.plan.values():
+        for ps in module_plan.values():  # pyre-ignore[16]
+            if ps.sharding_type == ShardingType.DATA_PARALLEL.value:
+                continue  # no ShardedTensor
+            shards = getattr(ps.sharding_spec, "shards", None)
+            if not shards:
+                return False
+            ranks = [shard.placement.rank() for shard in shards]
+            if ranks != sorted(ranks):
+                return False
+    return True
 
 
 class ModelMove(Participant):
@@ -456,15 +486,14 @@ class ModelMove(Participant):
             else []
         )
         keys = agreed.batch_keys
-        self._hooks = KeptStorage(
-            old_batched,
-            self._runs,
+        self._hooks = KeptStorage(old_batched, self._runs, keys, reuse=bool(self._runs))
+        self._runs = []  # the hooks hold the old kernels until they release
+        grouping = KeptGrouping(
             keys,
             table_weights(self._definition, {p: list(t) for p, t in keys.items()}),
-            sharded_tensors_from_plan=True,
-            reuse=bool(self._runs),
+            # the plan is agreed: no gather, where it gives the same metadata
+            sharded_tensors_from_metadata=_shards_in_rank_order(self._new_plan),
         )
-        self._runs = []  # the hooks hold the old kernels until they release
         self._new_model = build_model(
             self._definition,
             self._new_env,
@@ -472,6 +501,7 @@ class ModelMove(Participant):
             self._sharders,
             self._device,
             self._hooks,
+            grouping,
         )
         if dense_specs(dense_tensors(self._new_model.module)) != agreed.dense:
             raise ReshardError(

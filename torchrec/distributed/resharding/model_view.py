@@ -21,6 +21,10 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.embedding_types import (
+    sharding_build_hooks,
+    ShardingBuildHooks,
+)
 from torchrec.distributed.resharding.elastic_plan import (
     DenseSpec,
     table_key,
@@ -295,15 +299,38 @@ def build_model(
     sharders: Optional[List[Any]],
     device: torch.device,
     hooks: Optional[KeptStorage] = None,
+    sharding_hooks: Optional[ShardingBuildHooks] = None,
 ) -> nn.Module:
     """
     A ``DistributedModelParallel`` over ``env`` from an unsharded definition,
-    its tables uninitialised (every byte is moved in), under ``hooks``.
+    its tables uninitialised (every byte is moved in), its kernels built under
+    ``hooks`` and its sharded modules under ``sharding_hooks``.
+
+    Args:
+        definition (nn.Module): the unsharded model (its tables on any device).
+        env (ShardingEnv): the group the model is sharded over.
+        plan (ShardingPlan): its plan (copied).
+        sharders (Optional[List[Any]]): the sharders (None: TorchRec's).
+        device (torch.device): the model's device.
+        hooks (Optional[KeptStorage]): the kernel build hooks (default: no
+            initialisation).
+        sharding_hooks (Optional[ShardingBuildHooks]): the sharding build
+            hooks (default: TorchRec's defaults).
+
+    Returns:
+        nn.Module: the ``DistributedModelParallel``.
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     hooks = hooks if hooks is not None else KeptStorage()
-    with kernel_build_hooks(hooks), _tables_not_initialised(definition):
+    sharding_hooks = (
+        sharding_hooks if sharding_hooks is not None else ShardingBuildHooks()
+    )
+    with (
+        kernel_build_hooks(hooks),
+        sharding_build_hooks(sharding_hooks),
+        _tables_not_initialised(definition),
+    ):
         return DistributedModelParallel(
             definition,
             env=env,

@@ -14,8 +14,9 @@ serves a reshard within a group and a move between groups.
 
 The tables of one sharding group live in one fbgemm batched kernel per grouped
 config, i.e. one contiguous storage per state (weights, momentum1, ...).
-Everything here goes through TorchRec's :class:`KernelBuildHooks` (patches of
-the series), scoped to the building call in the building thread:
+Everything here goes through TorchRec's :class:`KernelBuildHooks` and
+:class:`ShardingBuildHooks` (patches of the series), scoped to the building
+call in the building thread:
 
 * **no initialisation**: the transaction overwrites every byte of the kernels
   it builds, so they skip random init and fbgemm's zero fill;
@@ -59,7 +60,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._tensor import DTensor
 from torchrec.distributed.batched_embedding_kernel import KernelBuildHooks
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo, group_tables
-from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+from torchrec.distributed.embedding_types import (
+    GroupedEmbeddingConfig,
+    ShardingBuildHooks,
+)
 from torchrec.distributed.resharding.memory import release_pages
 from torchrec.distributed.resharding.options import (  # noqa: F401 (its old home)
     StorageMode,
@@ -276,7 +280,7 @@ def batch_keys(
 def key_rebuilt_groups(
     infos: Dict[str, List[EmbeddingShardingInfo]],
     rebuilt_types: Sequence[str],
-    hooks: "KeptStorage",
+    hooks: "KeptGrouping",
 ) -> None:
     """
     Gives every table of a rebuilt group the batch key the transaction agreed
@@ -288,7 +292,7 @@ def key_rebuilt_groups(
         infos (OrderedDict[str, List[EmbeddingShardingInfo]]): the module's
             infos after the transaction; changed in place.
         rebuilt_types (Sequence[str]): sharding types whose group is rebuilt.
-        hooks (KeptStorage): the transaction's kernel build hooks.
+        hooks (KeptGrouping): the transaction's batch keys.
 
     Returns:
         None
@@ -407,13 +411,69 @@ class _Storage:
     table_state: bool = True
 
 
+class KeptGrouping(ShardingBuildHooks):
+    """
+    The sharding build hooks of a transaction: tables in runs of kept shards
+    get their agreed batch key (so that TorchRec gives each run a kernel of
+    its own, see :class:`KeptStorage`), and, when the transaction asks for it,
+    modules make their ShardedTensors from their (agreed) plan's metadata.
+
+    Args:
+        keys (Mapping[str, Mapping[str, KeptBatchKey]]): module path -> table
+            -> its agreed batch key.
+        params (Mapping[str, Mapping[str, torch.Tensor]]): module path ->
+            table -> the parameter the sharded module is built from (table
+            names repeat across modules; the hook gets the parameter).
+        sharded_tensors_from_metadata (bool): modules built meanwhile make
+            their ShardedTensors from their plan's metadata.
+    """
+
+    def __init__(
+        self,
+        keys: Optional[Mapping[str, Mapping[str, KeptBatchKey]]] = None,
+        params: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
+        sharded_tensors_from_metadata: bool = False,
+    ) -> None:
+        keys = keys or {}
+        params = params or {}
+        self._from_metadata = sharded_tensors_from_metadata
+        self._keys: List[Tuple[torch.Tensor, KeptBatchKey]] = [
+            (params[path][table], key)
+            for path, table_keys in keys.items()
+            for table, key in table_keys.items()
+            if table in params.get(path, {})
+        ]
+
+    def table_fused_params(
+        self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
+    ) -> Dict[str, Any]:
+        """
+        Args:
+            table (str): a table of a module being sharded.
+            param (torch.Tensor): its parameter in the unsharded module.
+            fused_params (Dict[str, Any]): the fused params of its kernel.
+
+        Returns:
+            Dict[str, Any]: them with the table's agreed batch key, if any.
+        """
+        key = next((k for p, k in self._keys if p is param), None)
+        if key is None:
+            return fused_params
+        user = user_batch_key(fused_params)
+        return with_batch_key(fused_params, KeptBatchKey(user, key.runs))
+
+    def sharded_tensors_from_metadata(self) -> bool:
+        return self._from_metadata
+
+
 class KeptStorage(KernelBuildHooks):
     """
     The kernel build hooks of a transaction: kernels skip initialisation and
-    take uninitialised host buffers (every byte is overwritten), tables in
-    runs of kept shards get their agreed batch key, and the kernel of each run
-    is built on a view of the old kernel's storage. Afterwards,
-    :meth:`release` decides what happens to the old kernels' storage.
+    take uninitialised host buffers (every byte is overwritten), and the
+    kernel of each run of kept shards (its tables grouped by their agreed
+    batch key, see :class:`KeptGrouping`) is built on a view of the old
+    kernel's storage. Afterwards, :meth:`release` decides what happens to the
+    old kernels' storage.
 
     Args:
         old_batched (Sequence[nn.Module]): the TorchRec batched kernels whose
@@ -421,11 +481,6 @@ class KeptStorage(KernelBuildHooks):
         runs (Sequence[KeptRun]): this rank's runs of kept shards.
         keys (Mapping[str, Mapping[str, KeptBatchKey]]): module path -> table
             -> its agreed batch key.
-        params (Mapping[str, Mapping[str, torch.Tensor]]): module path ->
-            table -> the parameter the sharded module is built from (table
-            names repeat across modules; the hook gets the parameter).
-        sharded_tensors_from_plan (bool): modules built meanwhile make their
-            ShardedTensors from their (agreed) plan.
         reuse (bool): kept shards may keep their storage: :meth:`release`
             gives the pages nobody uses back (otherwise old storage is simply
             dropped).
@@ -436,20 +491,10 @@ class KeptStorage(KernelBuildHooks):
         old_batched: Sequence[nn.Module] = (),
         runs: Sequence[KeptRun] = (),
         keys: Optional[Mapping[str, Mapping[str, KeptBatchKey]]] = None,
-        params: Optional[Mapping[str, Mapping[str, torch.Tensor]]] = None,
-        sharded_tensors_from_plan: bool = False,
         reuse: bool = False,
     ) -> None:
         keys = keys or {}
-        params = params or {}
-        self._from_plan = sharded_tensors_from_plan
         self._reuse = reuse
-        self._keys: List[Tuple[torch.Tensor, KeptBatchKey]] = [
-            (params[path][table], key)
-            for path, table_keys in keys.items()
-            for table, key in table_keys.items()
-            if table in params.get(path, {})
-        ]
         # the runs of a batch key -> (old kernel, first position, shards) of
         # each kept run, a run split where its tables' keys differ
         self._runs: Dict[
@@ -483,18 +528,6 @@ class KeptStorage(KernelBuildHooks):
 
     def init_parameters(self, config: GroupedEmbeddingConfig) -> bool:
         return False
-
-    def table_fused_params(
-        self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
-    ) -> Dict[str, Any]:
-        key = next((k for p, k in self._keys if p is param), None)
-        if key is None:
-            return fused_params
-        user = user_batch_key(fused_params)
-        return with_batch_key(fused_params, KeptBatchKey(user, key.runs))
-
-    def sharded_tensors_from_plan(self) -> bool:
-        return self._from_plan
 
     def host_buffers(
         self, config: GroupedEmbeddingConfig, tbe_kwargs: Dict[str, Any]

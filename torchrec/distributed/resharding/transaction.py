@@ -88,6 +88,7 @@ from torchrec.distributed.resharding.storage import (
     batch_keys,
     kept_runs,
     KeptBatchKey,
+    KeptGrouping,
     KeptRun,
     KeptStorage,
     key_rebuilt_groups,
@@ -402,15 +403,18 @@ class ModuleReshard(Participant):
             if not m.rebuilt_types:
                 continue
             adapter = m.adapter
+            keys = {m.path: self._decision.keys.get(m.path, {})}
             m.hooks = KeptStorage(
                 old_kernels_of(adapter, m.rebuilt_types),
                 m.runs,
-                {m.path: self._decision.keys.get(m.path, {})},
-                {m.path: {c.name: i.param for c, i in _configs_and_infos(m)}},
+                keys,
                 reuse=self._keeps_storage(),
             )
             m.runs = []  # the hooks hold the old kernels until they release
-            key_rebuilt_groups(m.infos, m.rebuilt_types, m.hooks)
+            grouping = KeptGrouping(
+                keys, {m.path: {c.name: i.param for c, i in _configs_and_infos(m)}}
+            )
+            key_rebuilt_groups(m.infos, m.rebuilt_types, grouping)
             m.groups = build_groups(
                 adapter, m.infos, m.rebuilt_types, self._env, self._device, m.hooks
             )

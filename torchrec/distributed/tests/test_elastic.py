@@ -18,7 +18,9 @@ state (weights, fused and dense optimizer state) is bit-equal to a model built
 directly on the new group with the new plan from the same global state, and so
 is every training step after it, on the same global batches. Ranks that leave
 keep nothing of the model; a dry run reports exactly the bytes each rank
-sends and receives.
+sends and receives. The new model's modules make their ShardedTensors from
+the plan's metadata (no gather) only for a plan that lists every table's
+shards in rank order (the shrink), and gather otherwise.
 """
 
 import gc
@@ -36,7 +38,11 @@ from torchrec.distributed.resharding import (
     ReshardAbortedError,
     ReshardOptions,
 )
-from torchrec.distributed.resharding.elastic import dry_run_move, move_model
+from torchrec.distributed.resharding.elastic import (
+    _shards_in_rank_order,
+    dry_run_move,
+    move_model,
+)
 from torchrec.distributed.resharding.kernel_state import read_piece
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,
@@ -248,6 +254,17 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
 class ElasticTest(ReshardTestBase):
     def test_shrink_disjoint_grow_and_three(self) -> None:
         self.run_ranks(_run_moves, world_size=WORLD)
+
+    def test_sharded_tensors_from_metadata_only_for_shards_in_rank_order(
+        self,
+    ) -> None:
+        # the shrink to 2 ranks lists every table's shards in rank order: its
+        # new modules make their ShardedTensors from the plan; the other moves
+        # list t2's column shards against it: their new modules gather, as a
+        # module sharded directly does (either way the same state dict)
+        self.assertTrue(_shards_in_rank_order(model_plan(2, 1)))
+        for size, shift in ((2, 0), (4, 2), (3, 1)):
+            self.assertFalse(_shards_in_rank_order(model_plan(size, shift)))
 
 
 if __name__ == "__main__":

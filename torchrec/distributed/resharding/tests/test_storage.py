@@ -24,7 +24,7 @@ from torchrec.distributed.resharding.storage import (
     BATCH_KEY,
     batch_keys,
     KeptBatchKey,
-    KeptStorage,
+    KeptGrouping,
     key_rebuilt_groups,
     MAX_KERNELS_PER_GROUP,
     user_batch_key,
@@ -98,7 +98,7 @@ class KeyRebuiltGroupsTest(unittest.TestCase):
         )
         kept = KeptBatchKey(None, ((0, 0),))
         params = {"m": {i.embedding_config.name: i.param for i in infos[TW]}}
-        hooks = KeptStorage(keys={"m": {"a": kept, "c": kept}}, params=params)
+        hooks = KeptGrouping(keys={"m": {"a": kept, "c": kept}}, params=params)
         untouched = infos["row_wise"][0]
         key_rebuilt_groups(infos, [TW], hooks)
         keys: Dict[str, Optional[Any]] = {
