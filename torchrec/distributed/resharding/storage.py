@@ -45,7 +45,7 @@ runs beyond it are copied.
 
 import sys
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -133,6 +133,11 @@ def with_batch_key(
     if key is not None:
         out[BATCH_KEY] = key
     return out
+
+
+def user_fused_params(fused_params: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """A table's fused params with the user's own batch key only (no kept one)."""
+    return with_batch_key(fused_params, user_batch_key(fused_params))
 
 
 def shard_key(table: Any) -> ShardKey:
@@ -303,15 +308,10 @@ def key_rebuilt_groups(
             fused_params = hooks.table_fused_params(
                 info.embedding_config.name,
                 info.param,
-                with_batch_key(info.fused_params, user_batch_key(info.fused_params)),
+                user_fused_params(info.fused_params),
             )
             if fused_params != info.fused_params:
-                group[i] = EmbeddingShardingInfo(
-                    embedding_config=info.embedding_config,
-                    param_sharding=info.param_sharding,
-                    param=info.param,
-                    fused_params=fused_params,
-                )
+                group[i] = replace(info, fused_params=fused_params)
 
 
 def direct_output_order(
@@ -335,24 +335,16 @@ def direct_output_order(
         Optional[List[str]]: the keys, or None when no table has a kept
         batch key (the module lists them in that order already).
     """
-    infos_of = [list(infos) for _, infos in groups]
     if not any(
         isinstance((info.fused_params or {}).get(BATCH_KEY), KeptBatchKey)
-        for infos in infos_of
+        for _, infos in groups
         for info in infos
     ):
         return None
     keys: List[str] = []
-    for (sharding, _), infos in zip(groups, infos_of):
+    for sharding, infos in groups:
         direct = [
-            EmbeddingShardingInfo(
-                embedding_config=info.embedding_config,
-                param_sharding=info.param_sharding,
-                param=info.param,
-                fused_params=with_batch_key(
-                    info.fused_params, user_batch_key(info.fused_params)
-                ),
-            )
+            replace(info, fused_params=user_fused_params(info.fused_params))
             for info in infos
         ]
         names = (
@@ -437,12 +429,13 @@ class KeptGrouping(ShardingBuildHooks):
         keys = keys or {}
         params = params or {}
         self._from_metadata = sharded_tensors_from_metadata
-        self._keys: List[Tuple[torch.Tensor, KeptBatchKey]] = [
-            (params[path][table], key)
-            for path, table_keys in keys.items()
-            for table, key in table_keys.items()
-            if table in params.get(path, {})
-        ]
+        # table -> (parameter, key) per module that has it: a table name is
+        # unique within a module, the parameter tells the modules apart
+        self._keys: Dict[str, List[Tuple[torch.Tensor, KeptBatchKey]]] = {}
+        for path, table_keys in keys.items():
+            for table, key in table_keys.items():
+                if table in params.get(path, {}):
+                    self._keys.setdefault(table, []).append((params[path][table], key))
 
     def table_fused_params(
         self, table: str, param: torch.Tensor, fused_params: Dict[str, Any]
@@ -456,7 +449,7 @@ class KeptGrouping(ShardingBuildHooks):
         Returns:
             Dict[str, Any]: them with the table's agreed batch key, if any.
         """
-        key = next((k for p, k in self._keys if p is param), None)
+        key = next((k for p, k in self._keys.get(table, []) if p is param), None)
         if key is None:
             return fused_params
         user = user_batch_key(fused_params)
