@@ -1,6 +1,5 @@
 """Fixtures of the fork-level tests (series integrity, packaging, tooling)."""
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,13 +13,20 @@ if str(REPO) not in sys.path:
 
 from tools import forklib  # noqa: E402
 
-#: test/base-1.8.0/ calls torchrec 1.8.0's public reshard API on the installed
-#: fork: collected on that base only (TORCHREC_FORK_BASE=1.8.0, as .ci/run's
-#: 1.8.0 part and scripts/test.sh set it). (A conftest.py of its own would
-#: shadow this module, which the tests import as ``conftest``.)
-collect_ignore_glob: List[str] = (
-    [] if os.environ.get(forklib.BASE_ENV) == "1.8.0" else ["base-1.8.0/*"]
-)
+
+def has_upstream_reshard() -> bool:
+    """Whether the installed fork's base (the one the scripts build:
+    $TORCHREC_FORK_BASE, else base.json's default) has upstream's own reshard
+    API, which the series then runs on the fork's engine (1.8.0 and later:
+    the bases with the entry that removes upstream's implementation)."""
+    entries = forklib.parse_series(REPO)
+    return any(e.name == "remove-upstream-dynamic-sharding.patch" for e in entries)
+
+
+#: test/upstream_api/ calls upstream's public reshard API on the installed
+#: fork: collected on the bases that have it only. (A conftest.py of its own
+#: would shadow this module, which the tests import as ``conftest``.)
+collect_ignore_glob: List[str] = [] if has_upstream_reshard() else ["upstream_api/*"]
 
 #: What a build of the fork reads from the repository.
 BUILD_INPUTS = (

@@ -1,6 +1,8 @@
-"""Two bases, one overlay: base.json pins torchrec 1.1.0 (the default, series
-in patches/) and torchrec 1.8.0 (series in patches/base-1.8.0/), selected with
-TORCHREC_FORK_BASE or tools/fork.py --base."""
+"""Three bases, one series, one overlay: base.json pins torchrec 1.1.0, 1.8.0
+and 1.9.2 (oldest first; its "default" is built when nothing else is asked
+for), selected with TORCHREC_FORK_BASE or tools/fork.py --base. Every entry's
+patch is written once in patches/; where upstream's code differs, a base's
+variant in patches/base-VERSION/ serves that base and the newer ones."""
 
 import dataclasses
 import os
@@ -12,6 +14,8 @@ from typing import Dict, List, Tuple
 import pytest
 from conftest import REPO
 from tools import fork, forklib, stack
+
+VERSIONS = ["1.1.0", "1.8.0", "1.9.2"]
 
 
 def run_fork(repo: Path, *args: str, env_base: str = "") -> subprocess.CompletedProcess:
@@ -34,31 +38,51 @@ def no_base_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(forklib.BASE_ENV, raising=False)
 
 
-def test_base_json_pins_both_wheels(no_base_env: None) -> None:
+def test_base_json_pins_three_wheels_oldest_first(no_base_env: None) -> None:
     bases = forklib.load_bases(REPO)
-    assert [(b.version, b.patches, b.default) for b in bases] == [
-        ("1.1.0", "patches", True),
-        ("1.8.0", "patches/base-1.8.0", False),
+    assert [(b.version, b.patches, b.index) for b in bases] == [
+        ("1.1.0", "patches", 0),
+        ("1.8.0", "patches/base-1.8.0", 1),
+        ("1.9.2", "patches/base-1.9.2", 2),
     ]
     for base in bases:
         assert base.name == "torchrec"
         assert base.wheel == f"torchrec-{base.version}-py311-none-any.whl"
         assert len(base.sha256) == 64
-    assert forklib.load_base(REPO).version == "1.1.0"
-    assert forklib.patches_dir(REPO) == REPO / "patches"
+    assert [b.version for b in bases if b.default] == [forklib.load_base(REPO).version]
+    assert [b.upstream_tree for b in bases] == [
+        "tools/upstream-v1.1.0-tree.txt",
+        "tools/upstream-v1.8.0-tree.txt",
+        None,  # no git tree of 1.9.2 is at hand: its wheel is the reference
+    ]
 
 
 def test_environment_selects_the_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    local = (REPO / "version.txt").read_text().strip()
+    for version in VERSIONS:
+        monkeypatch.setenv(forklib.BASE_ENV, version)
+        base = forklib.load_base(REPO)
+        assert base.version == version
+        assert forklib.fork_version(REPO) == f"{version}+{local}"
     monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
-    base = forklib.load_base(REPO)
-    assert base.version == "1.8.0" and not base.default
-    assert forklib.patches_dir(REPO) == REPO / "patches" / "base-1.8.0"
-    assert forklib.upstream_tree_file(REPO).name == "upstream-v1.8.0-tree.txt"
-    local = (REPO / "version.txt").read_text().strip().split("+", 1)[1]
-    assert forklib.fork_version(REPO) == f"1.8.0+{local}"
     assert forklib.load_upstream_tree(REPO).tag == "release/v1.8.0"
+    assert forklib.patch_folders(REPO) == [
+        REPO / "patches" / "base-1.8.0",
+        REPO / "patches",
+    ]
     # an explicit version wins over the environment
     assert forklib.load_base(REPO, "1.1.0").version == "1.1.0"
+
+
+def test_a_base_without_a_git_tree_has_its_wheel_as_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(forklib.BASE_ENV, "1.9.2")
+    assert forklib.upstream_tree_file(REPO) is None
+    tree = forklib.load_upstream_tree(REPO)
+    wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
+    assert tree.commit == "" and "wheel" in tree.tag
+    assert tree.blobs == {rel: forklib.git_blob_id(data) for rel, data in wheel.items()}
 
 
 def test_unknown_base_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,44 +94,232 @@ def test_unknown_base_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_each_base_has_its_own_trees(no_base_env: None) -> None:
-    default, other = forklib.load_bases(REPO)
-    assert fork.base_dir(fork.DEFAULT_TREE, default) == fork.DEFAULT_TREE
-    assert fork.base_dir(fork.DEFAULT_TREE, other).name == "tree-1.8.0"
+    for base in forklib.load_bases(REPO):
+        tree = fork.base_dir(fork.DEFAULT_TREE, base)
+        if base.default:
+            assert tree == fork.DEFAULT_TREE
+        else:
+            assert tree.name == f"tree-{base.version}"
 
 
-def test_both_series_map_the_same_entries_and_overlay(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """One overlay: the 1.8.0 series has the 1.1.0 series' entries, in order,
-    each introducing the same overlay files. Besides them it may have entries
-    of its own (changes to 1.8.0's files only, such as the removal of
-    upstream's resharding): plain patches with no overlay file and no overlay
-    diff, each with tests its patch adds."""
-    monkeypatch.delenv(forklib.BASE_ENV, raising=False)
-    default = [(e.name, e.files) for e in forklib.parse_series(REPO)]
-    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
-    entries = forklib.load_stack(REPO)
-    names = {name for name, _ in default}
-    other = [(e.name, e.files) for e in entries if e.name in names]
-    assert other == default
-    own = [e for e in entries if e.name not in names]
-    assert [e.name for e in own] == ["remove-upstream-dynamic-sharding.patch"]
-    for entry in own:
-        assert not entry.header_only and entry.patch.diff, entry.name
-        assert not entry.files and not entry.overlay_diff, entry.name
-        assert stack.entry_tests({}, entry.patch.diff), entry.name
-        assert "1.8.0 only" in entry.patch.body, entry.name
+def test_one_series_no_copies(no_base_env: None) -> None:
+    """One list of entries; a variant exists only where its diff differs from
+    the file it stands in for, and every patch file is read by some base."""
+    assert not (REPO / "patches" / "base-1.8.0" / "series").exists()
+    assert forklib.series_problems(REPO) == []
+    texts: Dict[str, Path] = {}
+    for path in sorted((REPO / "patches").rglob("*")):
+        if path.is_file():
+            other = texts.setdefault(path.read_text(), path)
+            assert other == path, f"{path} is a copy of {other}"
 
 
-def test_1_8_0_series_applies_and_is_refreshed() -> None:
-    """tools/fork.py --base 1.8.0 check: the 1.8.0 series applies to the
-    1.8.0 wheel, is refreshed, covers the overlay and applies upstream."""
-    proc = run_fork(REPO, "--base", "1.8.0", "check")
+def test_the_same_entries_on_every_base_but_the_tagged_ones() -> None:
+    """Every base has the entries of the series in its order, each introducing
+    the same overlay files; an entry tagged for some bases (the removal of
+    upstream's resharding, which 1.1.0 lacks) is on those only, introduces no
+    overlay file and has tests its patch adds."""
+    every = forklib.parse_series(REPO, every_base=True)
+    for version in VERSIONS:
+        with forklib.selected_base(version):
+            entries = forklib.load_stack(REPO)
+        on = [e for e in every if e.bases is None or version in e.bases]
+        assert [(e.name, e.files) for e in entries] == [(e.name, e.files) for e in on]
+    tagged = [e for e in every if e.bases is not None]
+    assert [(e.name, e.bases) for e in tagged] == [
+        ("remove-upstream-dynamic-sharding.patch", ("1.8.0", "1.9.2"))
+    ]
+    with forklib.selected_base("1.9.2"):
+        (entry,) = [e for e in forklib.load_stack(REPO) if e.name == tagged[0].name]
+    assert entry.patch.diff and not entry.files and not entry.overlay_diff
+    assert stack.entry_tests({}, entry.patch.diff)
+    # the '#-' line is on 1.8.0 only: 1.9.2's reference, its wheel, lacks the file
+    assert entry.deletes == ()
+    with forklib.selected_base("1.8.0"):
+        (entry,) = [e for e in forklib.load_stack(REPO) if e.name == tagged[0].name]
+    assert entry.deletes == ("torchrec/distributed/tests/test_dynamic_sharding.py",)
+
+
+def test_variants_serve_newer_bases_and_say_why(no_base_env: None) -> None:
+    """1.9.2 reads 1.8.0's variant where it has none of its own; a variant's
+    commit message is the shared one plus why it differs, or a header of its
+    own."""
+    name = "reshard-dmp-whole-plan.patch"
+    assert not (REPO / "patches" / "base-1.9.2" / name).exists()
+    messages = {}
+    for version in VERSIONS:
+        with forklib.selected_base(version):
+            patch = forklib.load_patch(REPO, name)
+        messages[version] = patch
+    assert messages["1.1.0"].source == f"patches/{name}"
+    assert messages["1.8.0"].source == messages["1.9.2"].source
+    assert messages["1.8.0"].source == f"patches/base-1.8.0/{name}"
+    assert messages["1.8.0"].diff == messages["1.9.2"].diff != messages["1.1.0"].diff
+    shared = messages["1.1.0"]
+    assert messages["1.8.0"].subject == shared.subject
+    assert messages["1.8.0"].body.startswith(shared.body + "\n\nOn torchrec 1.8.0")
+    # a chain: 1.9.2's own variant adds its reason after 1.8.0's
+    name = "reshard-ebc-install-groups.patch"
+    with forklib.selected_base("1.8.0"):
+        body18 = forklib.load_patch(REPO, name).body
+    with forklib.selected_base("1.9.2"):
+        patch = forklib.load_patch(REPO, name)
+    assert patch.source == f"patches/base-1.9.2/{name}"
+    assert patch.body.startswith(body18 + "\n\nOn torchrec 1.9.2")
+    # a header of its own: on 1.8.0 the compat entry only adds its tests
+    name = "compat-fbgemm-1.8-optimizer-learning-rate.patch"
+    with forklib.selected_base("1.8.0"):
+        patch = forklib.load_patch(REPO, name)
+    assert patch.diff == "" and patch.subject.startswith("Test the base")
+    with forklib.selected_base("1.1.0"):
+        assert forklib.load_patch(REPO, name).diff
+
+
+def test_series_applies_and_is_refreshed_on_every_base() -> None:
+    """tools/fork.py check: the one series applies to every base's wheel, is
+    refreshed there, covers the overlay and applies upstream."""
+    proc = run_fork(REPO, "check")
     assert proc.returncode == 0, proc.stderr
-    series = (REPO / "patches" / "base-1.8.0" / "series").read_text().splitlines()
-    patches = [line for line in series if line.strip() and not line.startswith("#")]
-    assert f"{len(patches)} patch(es) apply cleanly" in proc.stdout
-    proc = run_fork(REPO, "check", env_base="1.8.0")
+    for version in VERSIONS:
+        assert f"OK on torchrec {version}:" in proc.stdout
+    proc = run_fork(REPO, "--base", "1.9.2", "check")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("OK on torchrec") == 1
+
+
+def readers(repo: Path) -> Dict[str, List[str]]:
+    """Patch file (relative path) -> the bases that read it, for the files
+    with a diff."""
+    found: Dict[str, List[str]] = {}
+    for version in VERSIONS:
+        with forklib.selected_base(version):
+            for patch in forklib.load_series(repo):
+                found.setdefault(patch.source, []).append(version)
+    return found
+
+
+def test_a_broken_shared_patch_fails_check_naming_the_base_and_hunk(
+    repo_copy: Path,
+) -> None:
+    """A patch file several bases read (the removal of upstream's resharding,
+    and 1.8.0's variants where 1.9.2 has none of its own), broken: check
+    fails on each of those bases, naming it, the patch and the hunk; the
+    bases that do not read it pass."""
+    shared = {rel: bases for rel, bases in readers(repo_copy).items() if len(bases) > 1}
+    assert "patches/remove-upstream-dynamic-sharding.patch" in shared
+    assert "patches/base-1.8.0/reshard-dmp-whole-plan.patch" in shared
+    for rel in (
+        "patches/remove-upstream-dynamic-sharding.patch",
+        "patches/base-1.8.0/reshard-dmp-whole-plan.patch",
+    ):
+        original = (repo_copy / rel).read_text()
+        first = forklib.diff_changes(original)[0].path
+        hunk = break_hunk(repo_copy / rel, first)
+        name = Path(rel).name
+        for version in VERSIONS:
+            proc = run_fork(repo_copy, "--base", version, "check")
+            if version not in shared[rel]:
+                assert proc.returncode == 0, (rel, version, proc.stderr)
+                continue
+            assert proc.returncode == 1, (rel, version)
+            assert f"patch {name}" in proc.stderr, proc.stderr
+            assert f"does not apply on torchrec {version} ({rel})" in proc.stderr
+            assert f"hunk {hunk}" in proc.stderr, proc.stderr
+        proc = run_fork(repo_copy, "check")  # every base: stops at the first
+        assert proc.returncode == 1 and f"on torchrec {shared[rel][0]}" in proc.stderr
+        (repo_copy / rel).write_text(original)
+
+
+def break_hunk(patch: Path, path: str) -> str:
+    """Corrupt a context line of the first hunk of ``path`` in ``patch``;
+    returns that hunk's ``@@`` line."""
+    lines = patch.read_text().splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"+++ b/{path}"))
+    hunk = next(i for i in range(start, len(lines)) if lines[i].startswith("@@"))
+    for i in range(hunk + 1, len(lines)):
+        if lines[i].startswith(" ") and lines[i].strip():
+            lines[i] = " # context that upstream does not have\n"
+            break
+    patch.write_text("".join(lines))
+    return lines[hunk].rstrip("\n")
+
+
+def test_copies_and_orphans_are_reported(repo_copy: Path) -> None:
+    name = "reshard-generation.patch"
+    (repo_copy / "patches" / "base-1.9.2" / name).write_text(
+        (repo_copy / "patches" / "base-1.8.0" / name).read_text()
+    )
+    (repo_copy / "patches" / "base-1.8.0" / "no-such-entry.patch").write_text("x\n")
+    (repo_copy / "patches" / "base-9.9.9").mkdir()
+    problems = forklib.series_problems(repo_copy)
+    assert any("base-1.9.2/reshard-generation.patch is a copy" in p for p in problems)
+    assert any("no-such-entry.patch is no entry" in p for p in problems)
+    assert any("base-9.9.9/ is the folder of no base" in p for p in problems)
+    proc = run_fork(repo_copy, "check")
+    assert proc.returncode == 1 and "is a copy of" in proc.stderr
+
+
+def test_series_grammar_of_base_tags() -> None:
+    text = (
+        "a.patch\n"
+        "#+ torchrec/a.py\n"
+        "b.patch  [1.8.0 1.9.2]\n"
+        "#- torchrec/tests/test_old.py  [1.8.0]\n"
+        "#= c.patch\n"
+        "#+ torchrec/c.py\n"
+    )
+    every = forklib.parse_series_text(text)
+    assert [(e.name, e.bases, e.deletes) for e in every] == [
+        ("a.patch", None, ()),
+        ("b.patch", ("1.8.0", "1.9.2"), ("torchrec/tests/test_old.py",)),
+        ("c.patch", None, ()),
+    ]
+    on = {v: forklib.parse_series_text(text, base=v) for v in VERSIONS}
+    assert [e.name for e in on["1.1.0"]] == ["a.patch", "c.patch"]
+    assert on["1.1.0"][0].files == ("torchrec/a.py",)
+    assert on["1.1.0"][1].files == ("torchrec/c.py",)
+    assert [(e.name, e.deletes) for e in on["1.9.2"]] == [
+        ("a.patch", ()),
+        ("b.patch", ()),
+        ("c.patch", ()),
+    ]
+    assert on["1.8.0"][1].deletes == ("torchrec/tests/test_old.py",)
+    with pytest.raises(forklib.ForkError, match="cannot introduce overlay files"):
+        forklib.parse_series_text("a.patch [1.8.0]\n#+ torchrec/a.py\n")
+    with pytest.raises(forklib.ForkError, match="empty base tag"):
+        forklib.parse_series_text("a.patch []\n")
+
+
+def test_port_makes_a_variant_where_a_patch_does_not_apply(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    """tools/fork.py port: applies a base's series entry by entry; at a patch
+    that does not apply it stops with what applies in place; --continue -m
+    writes the hand-made change as the base's variant, which check accepts."""
+    name = "reshard-generation.patch"
+    variant = repo_copy / "patches" / "base-1.8.0" / name
+    variant.unlink()  # 1.8.0 now reads the 1.1.0 patch, which does not apply there
+    tree = tmp_path / "port"
+    proc = run_fork(repo_copy, "--base", "1.8.0", "port", str(tree))
+    assert proc.returncode == 1
+    assert f"{name} is applied in" in proc.stdout, proc.stdout + proc.stderr
+    # do by hand what the 1.8.0 variant did: apply it over what applied
+    forklib.git(["checkout", "-q", "--", "."], tree)
+    forklib.git(["clean", "-fdq"], tree)
+    proc = subprocess.run(
+        ["git", "apply", "-p1", "-"],
+        cwd=tree,
+        input=forklib._split_header(REPO / "patches" / "base-1.8.0" / name)[1],
+        text=True,
+        capture_output=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc = run_fork(
+        repo_copy, "--base", "1.8.0", "port", str(tree), "--continue", "-m", "Why."
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert variant.read_text().startswith("Why.\n\ndiff --git ")
+    proc = run_fork(repo_copy, "--base", "1.8.0", "check")
     assert proc.returncode == 0, proc.stderr
 
 
@@ -116,16 +328,16 @@ def test_replaces_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     upstream' check only when it is an overlay file of the stack that
     upstream's tree has and the wheel lacks."""
     monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
-    stack = forklib.load_stack(REPO)
+    stack_ = forklib.load_stack(REPO)
     upstream = forklib.load_upstream_tree(REPO)
     wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
     replaces = forklib.load_base(REPO).replaces
     assert replaces == ("torchrec/distributed/tests/test_dynamic_sharding.py",)
-    assert forklib.upstream_problems(REPO, stack, upstream, wheel, replaces) == []
-    problems = forklib.upstream_problems(REPO, stack, upstream, wheel, ())
+    assert forklib.upstream_problems(REPO, stack_, upstream, wheel, replaces) == []
+    problems = forklib.upstream_problems(REPO, stack_, upstream, wheel, ())
     assert len(problems) == 1 and replaces[0] in problems[0]
     bad = ("torchrec/not_overlay.py", "torchrec/distributed/embeddingbag.py")
-    problems = forklib.upstream_problems(REPO, stack, upstream, wheel, replaces + bad)
+    problems = forklib.upstream_problems(REPO, stack_, upstream, wheel, replaces + bad)
     assert any("names torchrec/not_overlay.py, no overlay file" in p for p in problems)
     # not an overlay file either, so that is the message: both are refused
     assert any("torchrec/distributed/embeddingbag.py" in p for p in problems)
@@ -146,11 +358,11 @@ def test_upstream_deletions_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     assert entries[remove].deletes == (rel,)
 
     def problems(deletes: Dict[int, Tuple[str, ...]]) -> List[str]:
-        stack = [
+        stack_ = [
             dataclasses.replace(e, deletes=deletes.get(k, ()))
             for k, e in enumerate(entries)
         ]
-        return forklib.upstream_problems(REPO, stack, upstream, wheel, replaces)
+        return forklib.upstream_problems(REPO, stack_, upstream, wheel, replaces)
 
     assert problems({remove: (rel,)}) == []
     assert problems({adds: (rel,)}) == []  # deleted and replaced in one commit
@@ -166,29 +378,55 @@ def test_upstream_deletions_are_checked(monkeypatch: pytest.MonkeyPatch) -> None
     assert "lacks it" in lacking
 
 
-def test_ci_runs_every_in_package_test_module_on_1_8_0(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """.ci/tests-1.8.0.txt lists every in-package test module of the overlay
-    (a test that does not pass there is deselected by name, with its reason),
-    so that a new test module cannot silently skip the 1.8.0 base."""
-    listed = set()
-    for line in (REPO / ".ci" / "tests-1.8.0.txt").read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line and not line.startswith("!"):
-            listed.add(line)
+def test_ci_names_every_in_package_test_module() -> None:
+    """.ci/bases.txt says what .ci/run runs on each base; every in-package
+    test module runs on some base installed (the default base's suite), and
+    every module it names exists (a test module the series' patches add
+    counts too)."""
     modules = {
         ".".join(path.relative_to(REPO).with_suffix("").parts)
         for path in (REPO / "torchrec").rglob("tests/test_*.py")
     }
-    assert modules, "no in-package test module found"
-    # and the test modules the 1.8.0 series' own patches add
-    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
-    for entry in forklib.load_stack(REPO):
-        for rel in stack.entry_tests({}, entry.patch.diff):
-            modules.add(rel[: -len(".py")].replace("/", "."))
-    assert sorted(modules - listed) == []
-    assert sorted(listed - modules) == []
+    for version in VERSIONS:
+        with forklib.selected_base(version):
+            for entry in forklib.load_stack(REPO):
+                for rel in stack.entry_tests({}, entry.patch.diff):
+                    modules.add(rel[: -len(".py")].replace("/", "."))
+    plan = ci_plan()
+    assert set(plan) == set(VERSIONS)
+
+    def covers(line: str, module: str) -> bool:
+        name = line.split("::", 1)[0]
+        return module == name or module.startswith(name + ".")
+
+    for version, lines in plan.items():
+        for line in lines:
+            if line.startswith("torchrec."):
+                assert any(covers(line, m) for m in modules), f"{version}: {line}"
+            elif not line.startswith("!"):
+                assert (REPO / line).exists(), f"{version}: {line}"
+    default = forklib.load_base(REPO, None).version
+    uncovered = [
+        m for m in modules if not any(covers(line, m) for line in plan[default])
+    ]
+    assert uncovered == [], f"the default base ({default}) does not run {uncovered}"
+
+
+def ci_plan() -> Dict[str, List[str]]:
+    """.ci/bases.txt: per base (a '[VERSION]' line), what .ci/run runs."""
+    plan: Dict[str, List[str]] = {}
+    current = None
+    for line in (REPO / ".ci" / "bases.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = line[1:-1]
+            plan[current] = []
+        else:
+            assert current is not None, line
+            plan[current].append(line)
+    return plan
 
 
 def test_1_8_0_stack_tree_round_trip(
@@ -200,8 +438,7 @@ def test_1_8_0_stack_tree_round_trip(
     tree = tmp_path / "stack"
     proc = run_fork(repo_copy, "--base", "1.8.0", "stack-tree", str(tree))
     assert proc.returncode == 0, proc.stderr
-    monkeypatch.setenv(forklib.BASE_ENV, "1.8.0")
-    folder = forklib.patches_dir(repo_copy)
+    folder = forklib.series_dir(repo_copy)
     diffs = sorted(folder.glob("*" + forklib.OVERLAY_DIFF_SUFFIX))
     assert diffs
     before = {p.name: p.read_text() for p in diffs}

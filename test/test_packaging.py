@@ -67,11 +67,9 @@ def test_installed_fork_carries_the_patches() -> None:
     import torchrec
 
     root = Path(torchrec.__file__).resolve().parent.parent
-    patches = [
-        _changed_lines(forklib.parse_patch(REPO / "patches" / name).diff)
-        for name in forklib.read_series(REPO)
-    ]
-    for i, (name, changes) in enumerate(zip(forklib.read_series(REPO), patches)):
+    series = forklib.load_series(REPO)
+    patches = [_changed_lines(patch.diff) for patch in series]
+    for i, (name, changes) in enumerate(zip([p.name for p in series], patches)):
         revised = {
             (f, line)
             for later in patches[i + 1 :]

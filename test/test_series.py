@@ -3,11 +3,18 @@
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import pytest
 from conftest import REPO
 from tools import fork, forklib
+
+
+@pytest.fixture(autouse=True)
+def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests work on the oldest base, whose patches are the shared
+    ones in patches/ (a test names another base with --base)."""
+    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)
 
 
 def run_fork(repo: Path, *args: str) -> subprocess.CompletedProcess:
@@ -21,10 +28,11 @@ def run_fork(repo: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def break_first_patch(repo: Path) -> str:
-    """Corrupt a context line of the first patch so it no longer applies;
-    returns the patch's name."""
-    name = forklib.read_series(repo)[0]
-    path = repo / "patches" / name
+    """Corrupt a context line of the first patch the selected base applies so
+    it no longer applies; returns the patch's name."""
+    patch = forklib.load_series(repo)[0]
+    name = patch.name
+    path = repo / patch.source
     lines = path.read_text().splitlines(keepends=True)
     start = next(i for i, line in enumerate(lines) if line.startswith("@@"))
     for i in range(start + 1, len(lines)):
@@ -36,8 +44,8 @@ def break_first_patch(repo: Path) -> str:
 
 
 def touched_files(repo: Path, name: str) -> List[str]:
-    """Files a patch changes."""
-    patch = forklib.parse_patch(repo / "patches" / name)
+    """Files a patch changes on the selected base."""
+    patch = forklib.load_patch(repo, name)
     return [
         line.split(" b/", 1)[1]
         for line in patch.diff.splitlines()
@@ -46,30 +54,79 @@ def touched_files(repo: Path, name: str) -> List[str]:
 
 
 def test_series_is_not_empty_and_starts_with_compat_fix() -> None:
-    names = forklib.read_series(REPO)
-    assert names, "patches/series lists no patch"
-    assert names[0] == "compat-fbgemm-1.8-optimizer-learning-rate.patch"
-    for name in names:
-        patch = forklib.parse_patch(REPO / "patches" / name)
-        assert patch.subject and patch.body, f"{name} needs a subject and a body"
+    entries = forklib.parse_series(REPO, every_base=True)
+    assert entries, "patches/series lists no patch"
+    assert entries[0].name == "compat-fbgemm-1.8-optimizer-learning-rate.patch"
+    for entry in entries:
+        patch = forklib.parse_patch(REPO / "patches" / entry.name)
+        assert patch.subject and patch.body, f"{entry.name} needs a subject and a body"
 
 
 def test_series_applies_and_is_refreshed() -> None:
     assert fork.check_repo(REPO) == forklib.read_series(REPO)
 
 
-def test_refresh_is_a_noop(repo_copy: Path) -> None:
-    before = {
-        p.name: p.read_text() for p in (repo_copy / "patches").iterdir() if p.is_file()
+def patch_files(repo: Path) -> Dict[str, str]:
+    """Every file under patches/, by path."""
+    folder = repo / "patches"
+    return {
+        p.relative_to(folder).as_posix(): p.read_text()
+        for p in folder.rglob("*")
+        if p.is_file()
     }
+
+
+def test_refresh_is_a_noop(repo_copy: Path) -> None:
+    before = patch_files(repo_copy)
     tree = repo_copy / ".fork" / "tree"
     assert run_fork(repo_copy, "materialize", str(tree)).returncode == 0
     proc = run_fork(repo_copy, "refresh", "--dir", str(tree))
     assert proc.returncode == 0, proc.stderr
-    after = {
-        p.name: p.read_text() for p in (repo_copy / "patches").iterdir() if p.is_file()
-    }
-    assert after == before
+    assert patch_files(repo_copy) == before
+
+
+def test_refresh_on_a_newer_base_leaves_the_other_bases_files(repo_copy: Path) -> None:
+    """A refresh on 1.9.2 with no edit changes no file, though the patches it
+    reads were made on other bases (other line numbers and blob ids)."""
+    before = patch_files(repo_copy)
+    tree = repo_copy / ".fork" / "tree-1.9.2"
+    proc = run_fork(repo_copy, "--base", "1.9.2", "materialize", str(tree))
+    assert proc.returncode == 0, proc.stderr
+    proc = run_fork(repo_copy, "--base", "1.9.2", "refresh", "--dir", str(tree))
+    assert proc.returncode == 0 and "already up to date" in proc.stdout, proc.stderr
+    assert patch_files(repo_copy) == before
+
+
+def test_refresh_variant_gives_a_base_its_own_patch(repo_copy: Path) -> None:
+    """refresh --variant -m WHY on 1.9.2 writes the edit as 1.9.2's variant
+    of a patch it reads from 1.8.0's folder; 1.8.0's file stays as it was."""
+    name = "reshard-dmp-whole-plan.patch"
+    old18 = (repo_copy / "patches" / "base-1.8.0" / name).read_text()
+    tree = repo_copy / ".fork" / "tree-1.9.2"
+    assert (
+        run_fork(repo_copy, "--base", "1.9.2", "materialize", str(tree)).returncode == 0
+    )
+    target = tree / touched_files(repo_copy, name)[0]
+    target.write_text(target.read_text() + "# on 1.9.2 only\n")
+    proc = run_fork(
+        repo_copy,
+        "--base",
+        "1.9.2",
+        "refresh",
+        name,
+        "--dir",
+        str(tree),
+        "--variant",
+        "-m",
+        "Why it differs on 1.9.2.",
+    )
+    assert proc.returncode == 0, proc.stderr
+    variant = (repo_copy / "patches" / "base-1.9.2" / name).read_text()
+    assert variant.startswith("Why it differs on 1.9.2.\n\ndiff --git ")
+    assert "+# on 1.9.2 only" in variant
+    assert (repo_copy / "patches" / "base-1.8.0" / name).read_text() == old18
+    proc = run_fork(repo_copy, "check")
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_refresh_folds_edits_into_the_named_patch(repo_copy: Path) -> None:
@@ -80,9 +137,9 @@ def test_refresh_folds_edits_into_the_named_patch(repo_copy: Path) -> None:
     target.write_text(target.read_text() + "# refreshed\n")
     proc = run_fork(repo_copy, "refresh", name, "--dir", str(tree))
     assert proc.returncode == 0, proc.stderr
-    patch = forklib.parse_patch(repo_copy / "patches" / name)
+    patch = forklib.load_patch(repo_copy, name)
     assert "+# refreshed" in patch.diff
-    old = forklib.parse_patch(REPO / "patches" / name)
+    old = forklib.load_patch(REPO, name)
     assert (patch.subject, patch.body) == (old.subject, old.body)
     assert run_fork(repo_copy, "check").returncode == 0
 
@@ -90,6 +147,10 @@ def test_refresh_folds_edits_into_the_named_patch(repo_copy: Path) -> None:
 def test_broken_patch_fails_check_with_its_name(repo_copy: Path) -> None:
     name = break_first_patch(repo_copy)
     proc = run_fork(repo_copy, "check")
+    assert proc.returncode != 0
+    assert name in proc.stderr
+    assert touched_files(repo_copy, name)[0] in proc.stderr
+    proc = run_fork(repo_copy, "--base", "1.1.0", "check")
     assert proc.returncode != 0
     assert name in proc.stderr
     assert touched_files(repo_copy, name)[0] in proc.stderr
@@ -113,7 +174,7 @@ def test_broken_patch_fails_build_with_its_name(
 
 
 @pytest.mark.parametrize(
-    "command", ["materialize", "develop", "refresh", "new", "check", "export"]
+    "command", ["materialize", "develop", "refresh", "new", "check", "export", "port"]
 )
 def test_every_subcommand_has_help(command: str) -> None:
     proc = run_fork(REPO, command, "--help")

@@ -1,5 +1,5 @@
 """The stack mapping in patches/series: every overlay file in exactly one
-entry, header-only entries hidden from quilt, overlay diffs that apply, and the
+entry, header-only entries marked as such, overlay diffs that apply, and the
 round trip through a stack repository."""
 
 import shutil
@@ -23,17 +23,12 @@ def run_fork(repo: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def quilt_series(repo: Path) -> List[str]:
-    """The patch names quilt reads from patches/series: it drops lines that
-    start with '#', strips leading blanks and keeps the first word."""
-    names: List[str] = []
-    for line in (repo / "patches" / "series").read_text().splitlines():
-        if line.startswith("#"):
-            continue
-        words = line.split()
-        if words:
-            names.append(words[0])
-    return names
+@pytest.fixture(autouse=True)
+def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests work on the oldest base, whose patches are the shared ones
+    in patches/ (the tests of every base are in test_bases.py and
+    test_export.py)."""
+    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)
 
 
 def add_to_series(repo: Path, after: str, lines: List[str]) -> None:
@@ -79,44 +74,34 @@ def test_overlay_diffs_rebuild_the_overlay() -> None:
         seen.update(writes)
 
 
-def test_quilt_sees_exactly_the_patches_with_a_diff() -> None:
-    names = quilt_series(REPO)
-    assert names == forklib.read_series(REPO)
-    for entry in forklib.load_stack(REPO):
-        has_diff = bool(entry.patch.diff.strip())
-        assert (entry.name in names) == has_diff, entry.name
-
-
-@pytest.mark.skipif(
-    shutil.which("quilt") is None and shutil.which("patch") is None,
-    reason="neither quilt nor GNU patch is installed",
-)
-def test_quilt_push_applies_the_series_to_the_extracted_wheel(
-    tmp_path: Path,
-) -> None:
-    """The plain quilt path: extract the wheel, 'quilt push -a' (or each patch
-    with GNU patch where quilt is missing), copy the overlay: the fork."""
-    tree = tmp_path / "tree"
-    forklib.extract_upstream(forklib.fetch_base_wheel(REPO), tree)
-    shutil.copytree(REPO / "patches", tree / "patches")
-    if shutil.which("quilt"):
-        proc = subprocess.run(
-            ["quilt", "push", "-a"], cwd=tree, capture_output=True, text=True
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        shutil.rmtree(tree / ".pc")
-    else:
-        for name in quilt_series(REPO):
+@pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
+@pytest.mark.parametrize("version", [b.version for b in forklib.load_bases(REPO)])
+def test_plain_patches_in_order_build_the_fork(version: str, tmp_path: Path) -> None:
+    """Without the tools: a base's patches (the file each entry reads there)
+    applied in order with GNU patch to the extracted wheel, plus the overlay,
+    are the fork the build makes."""
+    with forklib.selected_base(version):
+        tree = tmp_path / "tree"
+        forklib.extract_upstream(forklib.fetch_base_wheel(REPO), tree)
+        for patch in forklib.load_series(REPO):
             proc = subprocess.run(
-                ["patch", "-p1", "--batch", "--forward", "-i", f"patches/{name}"],
+                [
+                    "patch",
+                    "-p1",
+                    "--batch",
+                    "--fuzz=0",
+                    "--no-backup-if-mismatch",
+                    "--forward",
+                    "-i",
+                    str(REPO / patch.source),
+                ],
                 cwd=tree,
                 capture_output=True,
                 text=True,
             )
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-    shutil.rmtree(tree / "patches")
-    forklib.copy_overlay(REPO, tree)
-    built = forklib.build_source_tree(tmp_path / "built", REPO)
+            assert proc.returncode == 0, patch.source + proc.stdout + proc.stderr
+        forklib.copy_overlay(REPO, tree)
+        built = forklib.build_source_tree(tmp_path / "built", REPO)
     files = {p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()}
     assert files == {
         p.relative_to(built).as_posix() for p in built.rglob("*") if p.is_file()

@@ -2,7 +2,7 @@
 
 Run ``python tools/fork.py --help`` (or ``python -m tools.fork --help``) from the
 repository root. Subcommands: ``materialize``, ``develop``, ``refresh``, ``new``,
-``check``, ``export``, ``stack``, ``stack-tree``, ``refresh-stack``, ``absorb``
+``port``, ``check``, ``export``, ``stack``, ``stack-tree``, ``refresh-stack``, ``absorb``
 and ``bisect-check``; each has its own ``--help``. See CONTRIBUTING.md.
 """
 
@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -99,14 +100,32 @@ def is_dirty(tree: Path) -> bool:
     return bool(fl.git(["status", "--porcelain"], tree).stdout.strip())
 
 
-def write_patch(repo: Path, name: str, patch: fl.Patch) -> bool:
-    """Write ``patches/NAME``; returns whether its content changed."""
-    path = fl.patches_dir(repo) / name
-    text = patch.render()
+def write_patch_file(path: Path, diff: str, header: Optional[str] = None) -> bool:
+    """
+    Write a patch file with a new diff: its header (a shared patch's
+    ``Subject:`` and body, or a variant's note) is kept, or ``header`` when
+    given; returns whether the file changed.
+    """
+    if header is None:
+        header = fl._split_header(path)[0] if path.exists() else ""
+    header = header.rstrip("\n") + "\n\n" if header.strip() else ""
+    text = header + diff
     if path.exists() and path.read_text() == text:
         return False
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return True
+
+
+def paragraphs(messages: Sequence[str]) -> str:
+    """``-m`` messages as a patch header: one paragraph each, wrapped at 72
+    columns as commit messages are."""
+    return "\n\n".join(textwrap.fill(" ".join(m.split()), 72) for m in messages)
+
+
+def commit_diffs(tree: Path, commits: Sequence[str]) -> List[str]:
+    """The diff of each commit, as patch files keep it."""
+    return [fl.diff_commit(tree, commit) for commit in commits]
 
 
 # --------------------------------------------------------------------------- commands
@@ -144,7 +163,8 @@ def cmd_develop(args: argparse.Namespace) -> int:
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    """Fold the tree's uncommitted edits into PATCH and rewrite the patch files."""
+    """Fold the tree's uncommitted edits into PATCH and rewrite the patch
+    files whose diff changed."""
     repo: Path = args.repo
     tree: Path = args.dir.resolve()
     names = fl.read_series(repo)
@@ -153,7 +173,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         raise fl.ForkError("the series is empty; use 'new' to start a patch")
     target = args.patch or names[-1]
     if target not in names:
-        raise fl.ForkError(f"{target} is not in patches/series")
+        raise fl.ForkError(
+            f"{target} has no diff on torchrec {fl.load_base(repo).version} "
+            f"(or is not in patches/series)"
+        )
+    if args.variant and not args.message:
+        raise fl.ForkError("--variant needs -m: why the patch differs on this base")
     index = names.index(target)
     sync_overlay(repo, tree)
     if is_dirty(tree):
@@ -177,12 +202,29 @@ def cmd_refresh(args: argparse.Namespace) -> int:
                     "edit with git rebase -i in the tree, then refresh",
                 )
         commits = require_tree(tree, repo)
+    after = commit_diffs(tree, commits)
     changed = 0
-    for name, commit in zip(names, commits):
-        old = fl.parse_patch(fl.patches_dir(repo) / name)
-        new = fl.Patch(name, old.subject, old.body, fl.diff_commit(tree, commit))
-        if write_patch(repo, name, new):
-            print(f"refreshed patches/{name}")
+    base = fl.load_base(repo)
+    for name, new in zip(names, after):
+        patch = fl.load_patch(repo, name)
+        if name == target and args.variant:
+            path = repo / base.patches / name
+            header = paragraphs(args.message)
+            if path == fl.series_dir(repo) / name:
+                raise fl.ForkError(
+                    f"torchrec {base.version} is the oldest base: its patches are "
+                    f"the shared ones, not variants"
+                )
+        elif fl.normalized_diff(new) != fl.normalized_diff(patch.diff) or (
+            new != patch.diff and fl.readers(repo, patch.source) == [base.version]
+        ):
+            # a change, or new line numbers of a file this base alone reads
+            # (a file other bases read keeps the numbers it was made with)
+            path, header = repo / patch.source, None
+        else:
+            continue
+        if write_patch_file(path, new, header):
+            print(f"refreshed {path.relative_to(repo)}")
             changed += 1
     if not changed:
         print("patches already up to date")
@@ -194,7 +236,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     repo: Path = args.repo
     tree: Path = args.dir.resolve()
     name: str = args.name if args.name.endswith(".patch") else args.name + ".patch"
-    if name in fl.read_series(repo) or (fl.patches_dir(repo) / name).exists():
+    if (fl.series_dir(repo) / name).exists():
         raise fl.ForkError(f"patches/{name} already exists")
     require_tree(tree, repo)
     sync_overlay(repo, tree)
@@ -204,56 +246,157 @@ def cmd_new(args: argparse.Namespace) -> int:
     patch = fl.Patch(name, args.subject, body, "")
     commit = fl.commit_all(tree, patch.message)
     patch = dataclasses.replace(patch, diff=fl.diff_commit(tree, commit))
-    write_patch(repo, name, patch)
-    series = fl.patches_dir(repo) / "series"
+    (fl.series_dir(repo) / name).write_text(patch.render())
+    series = fl.series_dir(repo) / "series"
     text = series.read_text() if series.exists() else ""
     if text and not text.endswith("\n"):
         text += "\n"
-    series.write_text(text + name + "\n")
+    tag = f"  [{' '.join(args.bases)}]" if args.bases else ""
+    series.write_text(text + name + tag + "\n")
     print(f"wrote patches/{name} and appended it to patches/series")
     return 0
 
 
+def apply_what_applies(tree: Path, patch: fl.Patch) -> None:
+    """Apply the hunks of ``patch`` that apply to ``tree``, where the code
+    around them moved or changed a little too (GNU patch's fuzz, when it is
+    installed; else git's exact context), and leave the others in ``.rej``
+    files, for a developer who reviews the result."""
+    if shutil.which("patch"):
+        subprocess.run(
+            ["patch", "-p1", "--fuzz=3", "--no-backup-if-mismatch", "-s"],
+            cwd=tree,
+            input=patch.diff,
+            text=True,
+            capture_output=True,
+        )
+        return
+    fl.git(
+        ["apply", "--reject", "--whitespace=nowarn", "-p1", "-"],
+        tree,
+        check=False,
+        input=patch.diff,
+        isolate=True,
+    )
+
+
+def cmd_port(args: argparse.Namespace) -> int:
+    """Apply the selected base's series in DIR entry by entry, stopping at
+    a patch that does not apply so that its base gets a variant."""
+    repo: Path = args.repo
+    tree: Path = args.dir.resolve()
+    base = fl.load_base(repo)
+    patches = fl.load_series(repo)
+    if args.resume:
+        if not (tree / ".git").is_dir():
+            raise fl.ForkError(f"{tree} is not being ported; run 'port' first")
+    elif (tree / ".git").is_dir():
+        raise fl.ForkError(
+            f"{tree} exists; pass --continue, or remove it to start over"
+        )
+    else:
+        fl.init_upstream_repo(tree, repo)
+    done = len(fl.series_commits(tree))
+    if args.resume and done < len(patches) and is_dirty(tree):
+        patch = patches[done]
+        if not args.message:
+            raise fl.ForkError(
+                f"-m WHY: say why {patch.name} differs on torchrec {base.version}"
+            )
+        for leftover in [*tree.rglob("*.rej"), *tree.rglob("*.orig")]:
+            leftover.unlink()
+        commit = fl.commit_all(tree, patch.message)
+        path = repo / base.patches / patch.name
+        header = paragraphs(args.message)
+        if base.index == 0:
+            path, header = fl.series_dir(repo) / patch.name, None
+        write_patch_file(path, fl.diff_commit(tree, commit), header)
+        print(f"wrote {path.relative_to(repo)}")
+        done += 1
+    for patch in patches[done:]:
+        try:
+            fl.apply_patch(tree, patch)
+        except fl.PatchError as exc:
+            apply_what_applies(tree, patch)
+            rejects = sorted(
+                p.relative_to(tree).as_posix() for p in tree.rglob("*.rej")
+            )
+            print(f"{exc}\n")
+            print(
+                f"{patch.name} is applied in {tree} but for the hunks in "
+                f"{', '.join(rejects) or '(none)'}. Make the change by hand "
+                f"there, then run\n  tools/fork.py --base {base.version} port "
+                f"--continue -m 'why it differs on torchrec {base.version}'\n"
+                f"to write it as {base.patches}/{patch.name} and go on."
+            )
+            return 1
+        fl.commit_all(tree, patch.message, allow_empty=True)
+    sync_overlay(repo, tree)
+    print(
+        f"every patch applies on torchrec {base.version} in {tree}; "
+        f"run 'tools/fork.py --base {base.version} check'"
+    )
+    return 0
+
+
 def check_repo(repo: Path) -> List[str]:
-    """Apply the series to pristine upstream in a temporary tree and verify that
-    refresh would change nothing, that the stack mapping is sound (every
-    overlay file in exactly one entry, overlay diffs apply) and, when the list
-    of upstream's git tree is there, that the stack applies to it. Raises
-    :class:`fl.PatchError` or :class:`st.StackError` otherwise."""
+    """
+    Check the selected base: apply its series to pristine upstream in a
+    temporary tree and verify that refresh would change nothing (a patch
+    file several bases read is in refreshed form on each when a fresh diff
+    there is the same but for line numbers and blob ids), that the stack
+    mapping is sound (every overlay file in exactly one entry, overlay diffs
+    apply) and that the stack applies to upstream's tree (its git tree, or
+    the wheel's where none is at hand).
+
+    Returns:
+        List[str]: the names of the patches applied.
+
+    Raises:
+        fl.PatchError: naming the patch, the base and the hunk that fails.
+        st.StackError: listing the stack's problems.
+    """
     fl.fork_version(repo)
     patches = fl.load_series(repo)
+    version = fl.load_base(repo).version
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-check-") as tmp:
         tree = Path(tmp) / "tree"
         commits = materialize_tree(tree, repo, symlink_overlay=False)
         for patch, commit in zip(patches, commits):
-            if fl.diff_commit(tree, commit) != patch.diff:
+            fresh = fl.normalized_diff(fl.diff_commit(tree, commit))
+            if fresh != fl.normalized_diff(patch.diff):
                 raise fl.PatchError(
-                    patch.name, "applies but is not in refreshed form; run refresh"
+                    patch.name,
+                    f"applies on torchrec {version} ({patch.source}) but is not in "
+                    f"refreshed form there; run refresh",
                 )
     stack = fl.load_stack(repo)
     problems = fl.stack_problems(repo, stack)
-    if fl.upstream_tree_file(repo).is_file():
-        wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
-        problems += fl.upstream_problems(
-            repo,
-            stack,
-            fl.load_upstream_tree(repo),
-            wheel,
-            fl.load_base(repo).replaces,
-        )
+    wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
+    problems += fl.upstream_problems(
+        repo, stack, fl.load_upstream_tree(repo), wheel, fl.load_base(repo).replaces
+    )
     if problems:
-        raise st.StackError(problems)
+        raise st.StackError([f"on torchrec {version}: {p}" for p in problems])
     return [patch.name for patch in patches]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """Verify the series and the stack mapping."""
-    names = check_repo(args.repo)
-    entries = len(fl.parse_series(args.repo))
-    print(
-        f"OK: {len(names)} patch(es) apply cleanly and are refreshed; the stack's "
-        f"{entries} entries cover every overlay file"
+    """Verify the one series on every base (or the one --base names)."""
+    problems = fl.series_problems(args.repo)
+    if problems:
+        raise st.StackError(problems)
+    versions = (
+        [args.base] if args.base else [b.version for b in fl.load_bases(args.repo)]
     )
+    for version in versions:
+        with fl.selected_base(version):
+            names = check_repo(args.repo)
+            entries = len(fl.parse_series(args.repo))
+        print(
+            f"OK on torchrec {version}: {len(names)} patch(es) apply cleanly and "
+            f"are refreshed; the stack's {entries} entries cover every overlay file"
+        )
     return 0
 
 
@@ -339,6 +482,10 @@ def cmd_absorb(args: argparse.Namespace) -> int:
 
 def cmd_bisect_check(args: argparse.Namespace) -> int:
     """Check every commit of the stack on its own."""
+    run_tests = None
+    if args.differing_from:
+        differing = set(st.entries_differing_from(args.repo, args.differing_from))
+        run_tests = lambda entry: entry.name in differing  # noqa: E731
     results = st.bisect_check(
         args.repo,
         only=args.entry or None,
@@ -346,6 +493,7 @@ def cmd_bisect_check(args: argparse.Namespace) -> int:
         stop_first=args.exitfirst,
         keep=args.keep,
         log=lambda line: print(line, flush=True),
+        run_tests=run_tests,
     )
     failed = [r for r in results if not r.ok]
     for result in failed:
@@ -377,9 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--base",
         metavar="VERSION",
         help=f"the base of base.json to work on (default: ${fl.BASE_ENV}, else "
-        "the default base); a base other than the default has its series in "
-        "its own folder (base.json's 'patches') and its own .fork/NAME-VERSION "
-        "default directories",
+        "base.json's default; 'check' without --base checks every base); the "
+        "one series is read for that base (its variants in "
+        "patches/base-VERSION/), and a base other than the default has its own "
+        ".fork/NAME-VERSION default directories",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -435,6 +584,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="working tree (default: .fork/tree, with -VERSION on another base)",
     )
+    p.add_argument(
+        "--variant",
+        action="store_true",
+        help="write PATCH as the selected base's own variant "
+        "(patches/base-VERSION/PATCH) instead of changing the file it reads",
+    )
+    p.add_argument(
+        "-m", "--message", action="append", help="with --variant: why it differs"
+    )
     p.set_defaults(func=cmd_refresh, default_dir=DEFAULT_TREE)
 
     p = sub.add_parser(
@@ -447,6 +605,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME", help="patch file name, e.g. fix-x.patch")
     p.add_argument("-s", "--subject", required=True, help="one-line subject")
     p.add_argument(
+        "--bases",
+        nargs="+",
+        metavar="VERSION",
+        help="the bases the entry is on (default: every base)",
+    )
+    p.add_argument(
         "-m", "--message", action="append", help="body paragraph (repeatable)"
     )
     p.add_argument(
@@ -456,6 +620,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="working tree (default: .fork/tree, with -VERSION on another base)",
     )
     p.set_defaults(func=cmd_new, default_dir=DEFAULT_TREE)
+
+    p = sub.add_parser(
+        "port",
+        help="apply the series to a base entry by entry, making variants where needed",
+        description="Build DIR (a git repo from the selected base's wheel) one "
+        "entry at a time. At a patch that does not apply, apply what does, "
+        "leave the rest as .rej files and stop: make the change by hand, then "
+        "'port --continue -m WHY' commits it as that base's variant "
+        "(patches/base-VERSION/NAME.patch: WHY, then the diff) and goes on. "
+        "Finish with 'check' on every base.",
+    )
+    tree_arg(p, fl.REPO_ROOT / ".fork" / "port")
+    p.add_argument(
+        "--continue",
+        dest="resume",
+        action="store_true",
+        help="commit the hand-made change of the stopped patch and go on",
+    )
+    p.add_argument(
+        "-m", "--message", action="append", help="why it differs (repeatable)"
+    )
+    p.set_defaults(func=cmd_port)
 
     p = sub.add_parser(
         "check",
@@ -557,6 +743,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--keep", type=Path, metavar="DIR", help="build the tree in DIR and keep it"
+    )
+    p.add_argument(
+        "--differing-from",
+        metavar="VERSION",
+        help="run the tests only of the entries whose commit may differ from "
+        "the one they make on base VERSION (a variant, or an entry VERSION "
+        "lacks); at the others only import the fork (for a base whose every "
+        "other commit VERSION's full check covers)",
     )
     p.add_argument(
         "pytest_args",

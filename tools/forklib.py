@@ -2,9 +2,13 @@
 
 The fork is three things on top of a pinned upstream release wheel:
 
-* ``base.json``: the upstream wheel (name, version, file name, sha256);
+* ``base.json``: the upstream wheels it is built on, the *bases* (name,
+  version, file name, sha256), oldest first, and the default one;
 * ``torchrec/``: files the fork adds, at their upstream paths (the *overlay*);
-* ``patches/series`` + ``patches/*.patch``: changes to existing upstream files.
+* ``patches/series`` + ``patches/*.patch``: changes to existing upstream files,
+  one series for every base; where upstream's code differs on a base, that
+  base's variant of a patch in ``patches/base-VERSION/`` (see
+  :func:`load_patch`).
 
 ``patches/series`` is also the *stack*: the ordered list of commits the fork is
 exported as (``tools/fork.py export``). Each entry is one patch file (a header
@@ -19,6 +23,7 @@ This module only uses the standard library and the ``git`` executable, so that
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -89,43 +94,74 @@ class PatchError(ForkError):
 @dataclasses.dataclass(frozen=True)
 class BaseSpec:
     """
-    A pinned upstream release wheel and the series of patches made for it.
+    A pinned upstream release wheel the fork is built on.
+
+    Every base shares one series (``patches/series``) and one overlay. A
+    patch is written once, in ``patches/``; where upstream's code differs on
+    a base, a base-specific variant of it lives in that base's folder
+    ``patches/base-VERSION/`` and serves that base and the newer ones, until
+    a newer base has a variant of its own (see :func:`patch_folders`).
 
     Args:
         name (str): the distribution's name (``torchrec``).
         version (str): the release, e.g. ``1.1.0``.
         wheel (str): the wheel's file name.
         sha256 (str): the wheel's sha256 (hex).
-        patches (str): the folder of its series, relative to the repository
-            (``patches`` for the default base, ``patches/base-VERSION`` else).
+        index (int): its place in ``base.json``, oldest first: 0 is the base
+            whose patches are the shared ones in ``patches/``.
         default (bool): whether it is the base built when
             ``$TORCHREC_FORK_BASE`` is unset.
         replaces (Tuple[str, ...]): overlay files that replace a file of the
             same path in upstream's git tree which the wheel lacks (e.g. a
-            test module of upstream code the base's series removes): the
-            build never sees upstream's file, the export must replace it.
+            test module of upstream code the series removes on this base):
+            the build never sees upstream's file, the export must replace it.
         requires (Tuple[str, ...]): what the base's wheel needs at run time
             besides what every base needs (``setup.py``'s install_requires).
+        upstream_tree (Optional[str]): the list of upstream's git tree at the
+            release (``tools/upstream-vVERSION-tree.txt``) that the exported
+            stack applies to; None: no git tree is at hand and the wheel's
+            tree is the reference.
     """
 
     name: str
     version: str
     wheel: str
     sha256: str
-    patches: str = "patches"
+    index: int = 0
     default: bool = True
     replaces: Tuple[str, ...] = ()
     requires: Tuple[str, ...] = ()
+    upstream_tree: Optional[str] = None
+
+    @property
+    def patches(self) -> str:
+        """The folder of its own patches, relative to the repository: the
+        shared ``patches`` for the oldest base, ``patches/base-VERSION``
+        (its variants) for the others."""
+        return SERIES_DIR if self.index == 0 else f"{SERIES_DIR}/base-{self.version}"
 
 
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    """One patch of the series: a header (subject and body) and a unified diff."""
+    """
+    One patch of the series as a base sees it: a header (subject and body)
+    and a unified diff.
+
+    Args:
+        name (str): the entry's file name (``NAME.patch``).
+        subject (str): the commit subject.
+        body (str): the commit body.
+        diff (str): the diff to upstream files (empty: a header-only entry).
+        source (str): the file the diff comes from, relative to the
+            repository (``patches/NAME.patch`` or a base's variant); empty
+            for a patch made in memory.
+    """
 
     name: str
     subject: str
     body: str
     diff: str
+    source: str = ""
 
     @property
     def message(self) -> str:
@@ -142,49 +178,56 @@ class Patch:
 
 # --------------------------------------------------------------------------- repo
 
+#: The folder of the series, the shared patches and the overlay diffs.
+SERIES_DIR: str = "patches"
+
 
 def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
     """
-    Every base ``base.json`` pins, the default first. The file's top-level
-    ``name``, ``version``, ``wheel`` and ``sha256`` are the default base (its
-    series is ``patches/``); each entry of its ``other_bases`` list is another
-    base with the same keys plus ``patches``, the folder of its own series.
+    Every base ``base.json`` pins, oldest first: its ``bases`` list (each
+    with ``name``, ``version``, ``wheel``, ``sha256`` and, optionally,
+    ``requires``, ``replaces`` and ``upstream_tree``) and its ``default``, the version built
+    when nothing else is asked for.
 
     Args:
         repo (Path): the fork repository.
 
     Returns:
-        List[BaseSpec]: the bases.
+        List[BaseSpec]: the bases, in the file's order.
 
     Raises:
-        ForkError: when two bases have the same version.
+        ForkError: when two bases have the same version, the default is not
+            one of them, or the bases are not listed oldest first.
     """
     data = json.loads((repo / "base.json").read_text())
+    default = data.get("default")
     bases = [
         BaseSpec(
-            name=data["name"],
-            version=data["version"],
-            wheel=data["wheel"],
-            sha256=data["sha256"].lower(),
+            name=entry["name"],
+            version=entry["version"],
+            wheel=entry["wheel"],
+            sha256=entry["sha256"].lower(),
+            index=k,
+            default=entry["version"] == default,
+            replaces=tuple(entry.get("replaces", ())),
+            requires=tuple(entry.get("requires", ())),
+            upstream_tree=entry.get("upstream_tree"),
         )
+        for k, entry in enumerate(data["bases"])
     ]
-    for other in data.get("other_bases", []):
-        bases.append(
-            BaseSpec(
-                name=other["name"],
-                version=other["version"],
-                wheel=other["wheel"],
-                sha256=other["sha256"].lower(),
-                patches=other["patches"],
-                default=False,
-                replaces=tuple(other.get("replaces", ())),
-                requires=tuple(other.get("requires", ())),
-            )
-        )
     versions = [base.version for base in bases]
     if len(set(versions)) != len(versions):
         raise ForkError(f"base.json pins a version twice: {versions}")
+    if default not in versions:
+        raise ForkError(f"base.json: its default {default!r} is none of {versions}")
+    if versions != sorted(versions, key=version_key):
+        raise ForkError(f"base.json: list the bases oldest first, not {versions}")
     return bases
+
+
+def version_key(version: str) -> Tuple[int, ...]:
+    """``1.10.0`` after ``1.9.2``: a release's numbers as a tuple."""
+    return tuple(int(part) for part in re.findall(r"\d+", version))
 
 
 def selected_base_version() -> Optional[str]:
@@ -210,7 +253,7 @@ def load_base(repo: Path = REPO_ROOT, version: Optional[str] = None) -> BaseSpec
     bases = load_bases(repo)
     wanted = version or selected_base_version()
     if wanted is None:
-        return bases[0]
+        return next(base for base in bases if base.default)
     for base in bases:
         if base.version == wanted:
             return base
@@ -220,29 +263,57 @@ def load_base(repo: Path = REPO_ROOT, version: Optional[str] = None) -> BaseSpec
     )
 
 
+@contextlib.contextmanager
+def selected_base(version: str) -> Iterator[None]:
+    """Select a base for the tools (``$TORCHREC_FORK_BASE``) while the block
+    runs, then restore the selection; for commands that work on every base."""
+    saved = os.environ.get(BASE_ENV)
+    os.environ[BASE_ENV] = version
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(BASE_ENV, None)
+        else:
+            os.environ[BASE_ENV] = saved
+
+
+def series_dir(repo: Path = REPO_ROOT) -> Path:
+    """``patches/``: the series, the shared patches and the overlay diffs."""
+    return repo / SERIES_DIR
+
+
 def patches_dir(repo: Path = REPO_ROOT) -> Path:
-    """The folder of the selected base's series (see :func:`load_base`):
-    ``patches/`` for the default base."""
+    """The folder of the selected base's own patches (see
+    :attr:`BaseSpec.patches`): ``patches/`` for the oldest base."""
     return repo / load_base(repo).patches
+
+
+def patch_folders(repo: Path = REPO_ROOT) -> List[Path]:
+    """
+    Where the selected base looks for an entry's patch, first match wins: its
+    own folder, then those of the older bases, newest first, down to the
+    shared ``patches/``. A variant made for a base so serves the newer bases
+    too, until one of them has its own.
+    """
+    base = load_base(repo)
+    older = [b for b in load_bases(repo) if b.index <= base.index]
+    return [repo / b.patches for b in sorted(older, key=lambda b: -b.index)]
 
 
 def fork_version(repo: Path = REPO_ROOT) -> str:
     """
-    The fork's version: ``version.txt`` names it on the default base
-    (``BASE+LOCAL``, e.g. ``1.1.0+reshard.0.1.0``); on another base the same
-    local part follows that base's version (``1.8.0+reshard.0.1.0``).
+    The fork's version on the selected base: the base's version with
+    ``version.txt`` (the fork's own, e.g. ``reshard.0.2.0``) as its local
+    part, e.g. ``1.9.2+reshard.0.2.0``.
     """
-    version = (repo / "version.txt").read_text().strip()
-    default = load_bases(repo)[0]
-    if not version.startswith(default.version + "+"):
+    local = (repo / "version.txt").read_text().strip()
+    if not re.fullmatch(r"[a-z0-9]+(\.[a-z0-9]+)*", local):
         raise ForkError(
-            f"version.txt ({version}) must be a local version of the base "
-            f"({default.version}+...)"
+            f"version.txt ({local!r}) must be a PEP 440 local version label "
+            f"(e.g. reshard.0.2.0): the base's version goes before it"
         )
-    base = load_base(repo)
-    if not base.default:
-        version = base.version + version[len(default.version) :]
-    return version
+    return f"{load_base(repo).version}+{local}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,13 +324,15 @@ class SeriesEntry:
     Args:
         name (str): the patch file's name in ``patches/``.
         header_only (bool): listed as ``#= NAME`` (its file has a header and no
-            diff; quilt skips it) instead of a plain ``NAME`` line.
+            diff on any base) instead of a plain ``NAME`` line.
         files (Tuple[str, ...]): overlay files (``torchrec/...``, as the ``#+``
             lines below the entry name them) the entry introduces.
         line (int): line number of the entry in ``patches/series``.
         deletes (Tuple[str, ...]): files of upstream's git tree that the base
             wheel lacks (tests, say) which the entry's exported commit deletes
             (``#-`` lines): no patch can, the build never sees them.
+        bases (Optional[Tuple[str, ...]]): the bases the entry is on (a
+            ``[VERSION ...]`` tag on its line); None: every base.
     """
 
     name: str
@@ -267,51 +340,84 @@ class SeriesEntry:
     files: Tuple[str, ...]
     line: int
     deletes: Tuple[str, ...] = ()
+    bases: Optional[Tuple[str, ...]] = None
 
 
 SERIES_HEADER_ONLY: str = "#="
+#: The cover letter's template, beside the series (one for every base).
+COVER_LETTER: str = "cover-letter.txt"
 SERIES_FILE: str = "#+"
 SERIES_DELETE: str = "#-"
 OVERLAY_DIFF_SUFFIX: str = ".overlay.diff"
+_BASE_TAG_RE = re.compile(r"\[([^\]]*)\]\s*$")
 
 
-def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesEntry]:
+def _split_base_tag(text: str) -> Tuple[str, Optional[Tuple[str, ...]]]:
+    """``'NAME [1.8.0 1.9.2]'`` -> ``('NAME', ('1.8.0', '1.9.2'))``; no tag:
+    ``(text, None)``."""
+    match = _BASE_TAG_RE.search(text)
+    if match is None:
+        return text.strip(), None
+    return text[: match.start()].strip(), tuple(
+        match.group(1).replace(",", " ").split()
+    )
+
+
+def parse_series_text(
+    text: str, origin: str = "patches/series", base: Optional[str] = None
+) -> List[SeriesEntry]:
     """
-    Parse the text of ``patches/series``. The file stays a valid quilt series
-    (quilt ignores every line that starts with ``#``):
+    Parse the text of ``patches/series``, one list for every base:
 
-    * ``NAME.patch`` — a patch with a diff to upstream files;
-    * ``#= NAME.patch`` — an entry whose patch file is a header only (a commit
-      that only adds or changes overlay files; quilt cannot apply a patch
-      without a diff, so it must not see it);
+    * ``NAME.patch`` — an entry whose patch has a diff to upstream files
+      (on some bases at least: a base's variant may be a header only);
+    * ``#= NAME.patch`` — an entry whose patch file is a header only on
+      every base (a commit that only adds or changes overlay files);
     * ``#+ PATH`` — an overlay file the entry above introduces;
     * ``#- PATH`` — a file of upstream's git tree that the base wheel lacks
       (so no patch can delete it), which the entry above deletes upstream:
       its exported commit removes it, by the blob id of upstream's tree;
+    * a ``[VERSION ...]`` tag at the end of an entry's or a ``#-`` line: the
+      bases it is on (none: every base);
     * any other ``#`` line, and blank lines, are comments.
 
     Args:
         text (str): the series file's text.
         origin (str): name used in error messages.
+        base (Optional[str]): keep only what is on this base (None: every
+            entry, with its tag).
 
     Returns:
         List[SeriesEntry]: the entries, in order.
 
     Raises:
-        ForkError: on a ``#+`` or ``#-`` line before any entry or a repeated
-            entry name.
+        ForkError: on a ``#+`` or ``#-`` line before any entry, a repeated
+            entry name, an empty tag, or a tag on an entry with overlay files.
     """
     entries: List[SeriesEntry] = []
     names: Set[str] = set()
     files: List[str] = []
     deletes: List[str] = []
+    current: List[SeriesEntry] = []  # the entry whose lines are being read
+
+    def on_base(tag: Optional[Tuple[str, ...]]) -> bool:
+        return base is None or tag is None or base in tag
 
     def close() -> None:
-        if entries:
-            last = entries[-1]
-            entries[-1] = dataclasses.replace(
-                last, files=tuple(files), deletes=tuple(deletes)
-            )
+        if current:
+            entry = current.pop()
+            if entry.bases is not None and files:
+                raise ForkError(
+                    f"{origin}:{entry.line}: {entry.name} is on some bases only, so "
+                    f"it cannot introduce overlay files (the overlay is every "
+                    f"base's): list them under an entry of every base"
+                )
+            if on_base(entry.bases):
+                entries.append(
+                    dataclasses.replace(
+                        entry, files=tuple(files), deletes=tuple(deletes)
+                    )
+                )
         files.clear()
         deletes.clear()
 
@@ -321,56 +427,161 @@ def parse_series_text(text: str, origin: str = "patches/series") -> List[SeriesE
             (m for m in (SERIES_FILE, SERIES_DELETE) if stripped.startswith(m)), None
         )
         if marker is not None:
-            if not entries:
+            if not current:
                 raise ForkError(f"{origin}:{number}: '{stripped}' before any patch")
-            path = stripped[len(marker) :].strip()
-            if path:
+            path, tag = _split_base_tag(stripped[len(marker) :])
+            if tag == ():
+                raise ForkError(f"{origin}:{number}: an empty base tag")
+            if path and (marker == SERIES_FILE or on_base(tag)):
                 (files if marker == SERIES_FILE else deletes).append(path)
             continue
         header_only = stripped.startswith(SERIES_HEADER_ONLY)
         if header_only:
-            name = stripped[len(SERIES_HEADER_ONLY) :].strip().split("#", 1)[0]
+            rest = stripped[len(SERIES_HEADER_ONLY) :]
         elif stripped.startswith("#"):
             continue
         else:
-            name = stripped.split("#", 1)[0]
-        name = name.strip()
+            rest = stripped
+        rest, tag = _split_base_tag(rest.split("#", 1)[0])
+        name = rest.split()[0] if rest.split() else ""
         if not name:
             continue
-        name = name.split()[0]  # quilt: patch options may follow the name
+        if tag == ():
+            raise ForkError(f"{origin}:{number}: an empty base tag")
         if name in names:
             raise ForkError(f"{origin}:{number}: {name} is listed twice")
         names.add(name)
         close()
-        entries.append(SeriesEntry(name, header_only, (), number))
+        current.append(SeriesEntry(name, header_only, (), number, (), tag))
     close()
     return entries
 
 
-def parse_series(repo: Path = REPO_ROOT) -> List[SeriesEntry]:
-    """Every entry of the selected base's series, ``patches/series`` for the
-    default base (see :func:`parse_series_text`)."""
-    series = patches_dir(repo) / "series"
+def parse_series(repo: Path = REPO_ROOT, every_base: bool = False) -> List[SeriesEntry]:
+    """The entries of ``patches/series`` on the selected base (see
+    :func:`parse_series_text`); with ``every_base``, every entry with its tag."""
+    series = series_dir(repo) / "series"
     if not series.exists():
         return []
-    return parse_series_text(series.read_text())
+    base = None if every_base else load_base(repo).version
+    return parse_series_text(series.read_text(), base=base)
 
 
-def read_series(repo: Path = REPO_ROOT) -> List[str]:
-    """Names of the patches quilt applies (the plain lines of
-    ``patches/series``), in order of application."""
-    return [e.name for e in parse_series(repo) if not e.header_only]
+def series_problems(repo: Path = REPO_ROOT) -> List[str]:
+    """
+    What is wrong with the one series across the bases, one message each:
+    a base tag naming no base of ``base.json``, a patch file no entry (or no
+    base) reads, a folder of no base, and a variant that is a copy of the
+    file it stands in for.
+
+    Args:
+        repo (Path): the fork repository.
+
+    Returns:
+        List[str]: the problems (empty when the series is sound).
+    """
+    problems: List[str] = []
+    bases = load_bases(repo)
+    versions = {base.version for base in bases}
+    text = (series_dir(repo) / "series").read_text()
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        marker = next(
+            (
+                m
+                for m in (SERIES_HEADER_ONLY, SERIES_FILE, SERIES_DELETE)
+                if stripped.startswith(m)
+            ),
+            None,
+        )
+        if marker is None and stripped.startswith("#"):
+            continue
+        body = stripped[len(marker) :] if marker else stripped
+        _, tag = _split_base_tag(body.split("#", 1)[0])
+        for version in tag or ():
+            if version not in versions:
+                problems.append(
+                    f"patches/series:{number}: the tag names {version}, no base of "
+                    f"base.json ({', '.join(sorted(versions, key=version_key))})"
+                )
+    entries = parse_series(repo, every_base=True)
+    names = {entry.name for entry in entries}
+    read: Set[Path] = set()
+    for base in bases:
+        with selected_base(base.version):
+            for entry in parse_series(repo):
+                try:
+                    read.add(patch_file(repo, entry.name).resolve())
+                except PatchError as exc:
+                    problems.append(f"on torchrec {base.version}: {exc}")
+    folders = {repo / base.patches: base for base in bases}
+    for path in sorted(series_dir(repo).rglob("*")):
+        rel = path.relative_to(repo).as_posix()
+        if path.is_dir():
+            if path not in folders:
+                problems.append(f"{rel}/ is the folder of no base of base.json")
+            continue
+        if path.name == "series" or path.name.endswith(OVERLAY_DIFF_SUFFIX):
+            continue
+        if path.parent == series_dir(repo) and path.name == COVER_LETTER:
+            continue
+        if path.name not in names:
+            problems.append(f"{rel} is no entry of patches/series")
+        elif path.parent != series_dir(repo) and path.resolve() not in read:
+            problems.append(f"{rel}: no base reads it (the entry is not on its base)")
+    for base in bases[1:]:
+        folder = repo / base.patches
+        for path in sorted(folder.glob("*.patch")):
+            with selected_base(bases[base.index - 1].version):
+                try:
+                    older = patch_file(repo, path.name)
+                except PatchError:
+                    continue
+            if older.read_text() == path.read_text() or (
+                _split_header(older)[1] == _split_header(path)[1]
+                and not path.read_text().startswith("Subject:")
+            ):
+                problems.append(
+                    f"{path.relative_to(repo)} is a copy of "
+                    f"{older.relative_to(repo)}: a variant exists only where "
+                    f"the diff differs; delete it"
+                )
+    return problems
+
+
+def patch_file(repo: Path, name: str) -> Path:
+    """
+    The file of the entry ``name`` on the selected base: its variant in
+    the base's folder or an older base's (see :func:`patch_folders`), else
+    the shared ``patches/NAME``.
+
+    Raises:
+        PatchError: when there is none.
+    """
+    for folder in patch_folders(repo):
+        if (folder / name).is_file():
+            return folder / name
+    raise PatchError(name, "listed in patches/series but the file is missing")
+
+
+def readers(repo: Path, source: str) -> List[str]:
+    """The bases that read the patch file ``source`` (relative to the
+    repository), oldest first."""
+    name = Path(source).name
+    found: List[str] = []
+    for base in load_bases(repo):
+        with selected_base(base.version):
+            if name not in {entry.name for entry in parse_series(repo)}:
+                continue
+            if patch_file(repo, name).relative_to(repo).as_posix() == source:
+                found.append(base.version)
+    return found
 
 
 def parse_patch(path: Path) -> Patch:
     """Split a patch file into its ``Subject:`` header, body and diff (empty
     for a header-only patch)."""
-    text = path.read_text()
-    match = re.search(r"^diff --git ", text, flags=re.MULTILINE)
-    if match is None:
-        header, diff = text, ""
-    else:
-        header, diff = text[: match.start()], text[match.start() :]
+    header, diff = _split_header(path)
     lines = header.splitlines()
     if not lines or not lines[0].startswith("Subject:"):
         raise PatchError(path.name, "the first line must be 'Subject: ...'")
@@ -379,15 +590,64 @@ def parse_patch(path: Path) -> Patch:
     return Patch(name=path.name, subject=subject, body=body, diff=diff)
 
 
+def _split_header(path: Path) -> Tuple[str, str]:
+    text = path.read_text()
+    match = re.search(r"^diff --git ", text, flags=re.MULTILINE)
+    if match is None:
+        return text, ""
+    return text[: match.start()], text[match.start() :]
+
+
+def load_patch(repo: Path, name: str) -> Patch:
+    """
+    The entry ``name``'s patch on the selected base. The shared
+    ``patches/NAME`` holds its subject and body; each base's variant on the
+    way to the selected base (see :func:`patch_folders`) says why it
+    differs in its header: paragraphs the commit message gets after the
+    body so far, or a whole ``Subject:`` header of its own where the commit
+    does something else on that base (tests only, say, where upstream
+    already has the change). The diff is the newest variant's.
+
+    Raises:
+        PatchError: when a file is missing or a variant's header is empty.
+    """
+    shared_path = series_dir(repo) / name
+    if not shared_path.is_file():
+        raise PatchError(name, "listed in patches/series but the file is missing")
+    patch = parse_patch(shared_path)
+    source = shared_path
+    for folder in reversed(patch_folders(repo)[:-1]):
+        path = folder / name
+        if not path.is_file():
+            continue
+        source = path
+        header, diff = _split_header(path)
+        if header.startswith("Subject:"):
+            patch = parse_patch(path)
+            continue
+        note = header.strip("\n")
+        if not note.strip():
+            raise PatchError(
+                name,
+                f"{path.relative_to(repo)} is a base's variant: its header must say "
+                f"why it differs (paragraphs before the diff, or a Subject: header "
+                f"of its own)",
+            )
+        body = (patch.body + "\n\n" if patch.body else "") + note
+        patch = Patch(name, patch.subject, body, diff)
+    return dataclasses.replace(patch, source=source.relative_to(repo).as_posix())
+
+
+def read_series(repo: Path = REPO_ROOT) -> List[str]:
+    """Names of the patches with a diff on the selected base, in order of
+    application."""
+    return [patch.name for patch in load_series(repo)]
+
+
 def load_series(repo: Path = REPO_ROOT) -> List[Patch]:
-    """Parse every patch quilt applies (see :func:`read_series`)."""
-    patches: List[Patch] = []
-    for name in read_series(repo):
-        path = patches_dir(repo) / name
-        if not path.exists():
-            raise PatchError(name, "listed in patches/series but the file is missing")
-        patches.append(parse_patch(path))
-    return patches
+    """Every patch of the selected base's entries that has a diff, in order."""
+    patches = [load_patch(repo, entry.name) for entry in parse_series(repo)]
+    return [patch for patch in patches if patch.diff.strip()]
 
 
 def _ignored(rel: Path) -> bool:
@@ -533,24 +793,21 @@ def diff_changes(diff: str) -> List[FileChange]:
 
 def overlay_diff_path(repo: Path, name: str) -> Path:
     """Where the entry ``name`` keeps its diff to overlay files introduced by
-    earlier entries: ``patches/STEM.overlay.diff``."""
+    earlier entries: ``patches/STEM.overlay.diff`` (one for every base: the
+    overlay is every base's)."""
     stem = name[: -len(".patch")] if name.endswith(".patch") else name
-    return patches_dir(repo) / (stem + OVERLAY_DIFF_SUFFIX)
+    return series_dir(repo) / (stem + OVERLAY_DIFF_SUFFIX)
 
 
 def load_stack(repo: Path = REPO_ROOT) -> List[StackEntry]:
-    """Every entry of ``patches/series`` with its patch and overlay diff."""
+    """Every entry of ``patches/series`` on the selected base, with its patch
+    (see :func:`load_patch`) and overlay diff."""
     stack: List[StackEntry] = []
     for entry in parse_series(repo):
-        path = patches_dir(repo) / entry.name
-        if not path.exists():
-            raise PatchError(
-                entry.name, "listed in patches/series but the file is missing"
-            )
         extra = overlay_diff_path(repo, entry.name)
         stack.append(
             StackEntry(
-                patch=parse_patch(path),
+                patch=load_patch(repo, entry.name),
                 header_only=entry.header_only,
                 files=entry.files,
                 overlay_diff=extra.read_text() if extra.exists() else "",
@@ -648,9 +905,10 @@ def stack_problems(
     repo: Path = REPO_ROOT, stack: Optional[Sequence[StackEntry]] = None
 ) -> List[str]:
     """
-    Everything wrong with the stack mapping, one message each: every overlay
-    file must be introduced by exactly one entry, plain entries must have a
-    diff (quilt applies them) and ``#=`` entries none, every entry needs a
+    Everything wrong with the selected base's stack mapping, one message
+    each: every overlay file must be introduced by exactly one entry, plain
+    entries must have a diff (but where a base's variant is a header only)
+    and ``#=`` entries none, every entry needs a
     subject and a body and must change something, overlay diffs must apply.
 
     Args:
@@ -678,15 +936,16 @@ def stack_problems(
                     f"(paths start with {PACKAGE}/)"
                 )
         has_diff = bool(entry.patch.diff.strip())
+        shared = entry.patch.source in ("", f"{SERIES_DIR}/{name}")
         if entry.header_only and has_diff:
             problems.append(
-                f"{name}: has a diff to upstream files, so list it as a plain "
-                f"'{name}' line (quilt applies it), not '{SERIES_HEADER_ONLY} {name}'"
+                f"{name}: has a diff to upstream files ({entry.patch.source}), so "
+                f"list it as a plain '{name}' line, not '{SERIES_HEADER_ONLY} {name}'"
             )
-        if not entry.header_only and not has_diff:
+        if not entry.header_only and not has_diff and shared:
             problems.append(
                 f"{name}: has no diff, so list it as '{SERIES_HEADER_ONLY} {name}' "
-                f"(quilt cannot apply a patch without a diff)"
+                f"(a plain entry is header-only only in a base's variant)"
             )
         if not entry.patch.subject or not entry.patch.body:
             problems.append(f"{name}: needs a subject and a body (what and why)")
@@ -697,8 +956,11 @@ def stack_problems(
             f"{rel} is in no stack entry: add '{SERIES_FILE} {rel}' below the "
             f"entry that introduces it in patches/series"
         )
-    known = {overlay_diff_path(repo, entry.name).name for entry in stack}
-    for path in sorted(patches_dir(repo).glob("*" + OVERLAY_DIFF_SUFFIX)):
+    known = {
+        overlay_diff_path(repo, entry.name).name
+        for entry in parse_series(repo, every_base=True)
+    }
+    for path in sorted(series_dir(repo).glob("*" + OVERLAY_DIFF_SUFFIX)):
         if path.name not in known:
             problems.append(
                 f"patches/{path.name} belongs to no entry of patches/series"
@@ -754,21 +1016,37 @@ class UpstreamTree:
     modes: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
-def upstream_tree_file(repo: Path = REPO_ROOT) -> Path:
-    """The list of upstream's git tree at the base's version:
-    ``tools/upstream-v<version>-tree.txt``."""
-    return repo / "tools" / f"upstream-v{load_base(repo).version}-tree.txt"
+def upstream_tree_file(repo: Path = REPO_ROOT) -> Optional[Path]:
+    """The list of upstream's git tree at the selected base's version,
+    ``tools/upstream-v<version>-tree.txt``, if ``base.json`` says there is one
+    (its ``upstream_tree``); None: no git tree of that release is at hand and
+    the wheel's tree is the reference (see :func:`load_upstream_tree`)."""
+    base = load_base(repo)
+    if not base.upstream_tree:
+        return None
+    return repo / base.upstream_tree
 
 
 def load_upstream_tree(repo: Path = REPO_ROOT) -> UpstreamTree:
     """
-    Read :func:`upstream_tree_file`: a header comment naming the tag and its
-    commit, then ``mode type blob<TAB>path`` lines.
+    Upstream's tree at the selected base: :func:`upstream_tree_file` (a
+    header comment naming the tag and its commit, then ``mode type
+    blob<TAB>path`` lines), or, for a base without one, the tree of its
+    wheel (``commit`` empty: the export then names no base commit).
 
     Raises:
         ForkError: when the file is missing or malformed.
     """
     path = upstream_tree_file(repo)
+    if path is None:
+        base = load_base(repo)
+        files = wheel_contents(fetch_base_wheel(repo))
+        return UpstreamTree(
+            tag=f"{base.name} {base.version} (its wheel; no git tree at hand)",
+            commit="",
+            blobs={rel: git_blob_id(data) for rel, data in files.items()},
+            modes={rel: "100644" for rel in files},
+        )
     if not path.is_file():
         raise ForkError(
             f"{path.relative_to(repo)} is missing: it lists upstream's git tree at "
@@ -1084,8 +1362,8 @@ def _failing_file(stderr: str) -> Optional[str]:
 
 
 def apply_patch(tree: Path, patch: Patch, *, index: bool = False) -> None:
-    """Apply one patch to ``tree``; raise :class:`PatchError` naming the patch and
-    the failing file when it does not apply cleanly."""
+    """Apply one patch to ``tree``; raise :class:`PatchError` naming the patch,
+    the base, the failing file and hunk when it does not apply cleanly."""
     if not patch.diff.strip():
         return
     args = ["apply", "--whitespace=nowarn", "-p1"]
@@ -1094,9 +1372,51 @@ def apply_patch(tree: Path, patch: Patch, *, index: bool = False) -> None:
     proc = git(args + ["-"], tree, check=False, input=patch.diff, isolate=not index)
     if proc.returncode != 0:
         stderr = proc.stderr.strip()
+        where = f"on torchrec {load_base().version}"
+        source = f" ({patch.source})" if patch.source else ""
+        hunk = failing_hunk(patch.diff, stderr)
         raise PatchError(
-            patch.name, f"does not apply: {stderr}", file=_failing_file(stderr)
+            patch.name,
+            f"does not apply {where}{source}"
+            + (f", hunk {hunk}" if hunk else "")
+            + f": {stderr}",
+            file=_failing_file(stderr),
         )
+
+
+def failing_hunk(diff: str, stderr: str) -> Optional[str]:
+    """The ``@@`` line of the hunk ``git apply`` names in ``stderr`` (its
+    "patch failed: FILE:LINE"), or None."""
+    match = re.search(r"patch failed: ([^:\n]+):(\d+)", stderr)
+    if match is None:
+        return None
+    rel, line = match.group(1), int(match.group(2))
+    current = None
+    for text in diff.splitlines():
+        header = _DIFF_GIT_RE.match(text)
+        if header:
+            current = header.group(2)
+            continue
+        hunk = re.match(r"^@@ -(\d+)", text)
+        if hunk and current == rel and int(hunk.group(1)) == line:
+            return text
+    return None
+
+
+def normalized_diff(diff: str) -> str:
+    """
+    A diff without what depends on where upstream's lines sit: ``index``
+    lines (blob ids) and the ranges and function names of ``@@`` lines. Two
+    bases whose code around a change is the same read one patch file; it is
+    in refreshed form on each when a fresh diff there normalises to the same.
+    """
+    lines = []
+    for line in diff.splitlines():
+        if line.startswith("index ") or line.startswith("@@ "):
+            lines.append(line.split(" ", 1)[0])
+        else:
+            lines.append(line)
+    return "\n".join(lines)
 
 
 def apply_series(tree: Path, patches: Sequence[Patch]) -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import re
+import selectors
 import shutil
 import signal
 import string
@@ -37,8 +38,6 @@ from tools import forklib as fl  # noqa: E402
 
 #: No commit of the exported stack may change more lines than this.
 MAX_CHANGED_LINES: int = 1200
-#: Template of the cover letter: first line the subject, then the blurb.
-COVER_LETTER_TEMPLATE: str = "patches/cover-letter.txt"
 #: Results of the repository's benchmark, quoted in the cover letter.
 BENCHMARK_RESULTS: str = "benchmarks/results/reshard_benchmark.json"
 #: Seconds one entry's tests may take in the bisect check.
@@ -234,11 +233,12 @@ def build_stack_repo(
         (tree / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(repo / rel, tree / rel)
     listing = "".join(f"\n- {rel}" for rel in restored)
+    where = f"{upstream.tag}, {upstream.commit}" if upstream.commit else upstream.tag
     fl.commit_all(
         tree,
-        f"{base.name} {base.version}: upstream ({upstream.tag}, "
-        f"{upstream.commit})\n\nThe files of {base.wheel}, plus the files of "
-        f"upstream's git tree the fork needs and the wheel lacks:\n{listing}\n",
+        f"{base.name} {base.version}: upstream ({where})\n\nThe files of "
+        f"{base.wheel}, plus the files of upstream's git tree the fork needs and "
+        f"the wheel lacks:{listing or ' none'}\n",
     )
     fl.git(["tag", fl.UPSTREAM_TAG], tree)
     commits: List[StackCommit] = []
@@ -499,18 +499,53 @@ def _indent(text: str, prefix: str = "    ") -> str:
     return "\n".join(prefix + line if line.strip() else "" for line in text.split("\n"))
 
 
+def for_base(template: str, version: str) -> str:
+    """
+    The lines of ``template`` that are for torchrec ``version``: a line
+    ``#if VERSION ...`` keeps what follows, up to ``#else`` or ``#endif``,
+    only on those bases, and ``#else`` keeps what follows up to ``#endif``
+    on the others (no nesting). One template so serves every base, its
+    differences side by side.
+
+    Raises:
+        fl.ForkError: on an ``#else`` or ``#endif`` without ``#if``, or an
+            ``#if`` never closed.
+    """
+    kept: List[str] = []
+    state: Optional[bool] = None  # None: outside #if; else: keep the lines?
+    for number, line in enumerate(template.split("\n"), start=1):
+        words = line.split()
+        if words[:1] == ["#if"]:
+            if state is not None:
+                raise fl.ForkError(f"cover letter:{number}: #if inside #if")
+            state = version in words[1:]
+        elif words == ["#else"] or words == ["#endif"]:
+            if state is None:
+                raise fl.ForkError(f"cover letter:{number}: {words[0]} without #if")
+            state = (not state) if words == ["#else"] else None
+        elif state is None or state:
+            kept.append(line)
+    if state is not None:
+        raise fl.ForkError("cover letter: an #if is never closed")
+    return "\n".join(kept)
+
+
 def cover_letter_text(
     repo: Path, commits: Sequence[StackCommit], upstream: fl.UpstreamTree
 ) -> Tuple[str, str]:
     """
     The cover letter's subject and blurb, from ``patches/cover-letter.txt``
-    (first line: the subject; the rest: the blurb, where ``$stack``,
-    ``$benchmark``, ``$tests``, ``$base_tag``, ``$base_commit``,
-    ``$base_wheel`` and ``$max_lines`` are filled in).
+    (one template for every base, see :func:`for_base`; first line: the
+    subject; the rest: the blurb, where ``$stack``, ``$benchmark``,
+    ``$tests``, ``$base_version``, ``$base_tag``, ``$base_commit``,
+    ``$base_wheel``, ``$applies_to``, ``$checkout`` and ``$max_lines`` are
+    filled in).
     """
-    path = fl.patches_dir(repo) / Path(COVER_LETTER_TEMPLATE).name
+    base = fl.load_base(repo)
+    path = fl.series_dir(repo) / fl.COVER_LETTER
     if path.is_file():
-        subject, _, blurb = path.read_text().partition("\n")
+        text = for_base(path.read_text(), base.version)
+        subject, _, blurb = text.partition("\n")
     else:
         subject, blurb = "Live resharding of sharded embedding modules", "$stack\n"
     total = len(commits)
@@ -521,7 +556,6 @@ def cover_letter_text(
         f"{c.changed_lines} lines)"
         for i, c in enumerate(commits, start=1)
     )
-    base = fl.load_base(repo)
     tests = sorted(
         {
             path
@@ -531,16 +565,35 @@ def cover_letter_text(
             and (path not in upstream.blobs or path in base.replaces)
         }
     )
+    if upstream.commit:
+        applies_to = f"upstream's {upstream.tag} (commit {upstream.commit})"
+        checkout = (
+            f"    git checkout -b live-resharding {upstream.commit}   "
+            f"# {upstream.tag}"
+        )
+    else:
+        applies_to = (
+            f"the tree of upstream's {base.wheel} (no git tree of {base.version} "
+            f"was at hand to check it against: on upstream's tree, files the "
+            f"wheel lacks may need the same changes)"
+        )
+        checkout = (
+            f"    # a git repository of upstream's tree at {base.version}, or of "
+            f"its wheel's files"
+        )
     text = string.Template(blurb.strip("\n")).substitute(
         stack=stack,
         tests=" \\\n".join(["    pytest"] + [f"        {t}" for t in tests]),
         benchmark=_indent(benchmark_summary(repo)),
+        base_version=base.version,
         base_tag=upstream.tag,
         base_commit=upstream.commit,
         base_wheel=base.wheel,
+        applies_to=applies_to,
+        checkout=checkout,
         max_lines=MAX_CHANGED_LINES,
     )
-    return subject.strip(), text
+    return string.Template(subject.strip()).substitute(base_version=base.version), text
 
 
 def export_stack(
@@ -592,7 +645,9 @@ def export_stack(
         text = letter.read_text()
         text = text.replace("*** SUBJECT HERE ***", subject, 1)
         text = text.replace("*** BLURB HERE ***", blurb, 1)
-        text = text.rstrip("\n") + f"\n\nbase-commit: {upstream.commit}\n"
+        text = text.rstrip("\n") + "\n"
+        if upstream.commit:
+            text += f"\nbase-commit: {upstream.commit}\n"
         letter.write_text(text)
     patches = [f for f in files if f != letter]
     return Export(letter, patches, commits)
@@ -750,11 +805,11 @@ class BisectResult:
     output: str
 
 
-# Runs in a fresh interpreter with the prefix tree first on sys.path: imports
-# every module of the fork present at this commit, then the commit's tests.
+# Runs in a process forked from the zygote below, with the prefix tree first
+# on sys.path: imports every module of the fork present at this commit, then
+# the commit's tests (cfg["pytest"]; None: imports only).
 _BISECT_RUNNER: str = """
-import importlib, json, os, sys
-cfg = json.loads(sys.argv[1])
+import importlib, os, sys
 sys.path.insert(0, cfg["tree"])
 import torchrec
 where = os.path.realpath(torchrec.__file__)
@@ -762,9 +817,120 @@ if not where.startswith(os.path.realpath(cfg["tree"]) + os.sep):
     sys.exit("torchrec imports from %s, not from the stack's tree" % where)
 for name in cfg["modules"]:
     importlib.import_module(name)
+if cfg["pytest"] is None:
+    sys.exit(0)
 import pytest
 sys.exit(pytest.main(cfg["pytest"]))
 """
+
+# A process that imports the heavy dependencies once (torch, fbgemm, pytest:
+# never torchrec, whose tree changes between commits) and forks one child per
+# commit, each in its own session and with its output in a file: every commit
+# is checked in a fresh process without paying for those imports again.
+_BISECT_ZYGOTE: str = """
+import json, os, sys, traceback
+for name in ("torch", "torch.distributed", "fbgemm_gpu", "numpy", "pytest"):
+    try:
+        __import__(name)
+    except Exception:
+        pass
+RUNNER = sys.argv[1]
+for line in sys.stdin:
+    cfg = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            fd = os.open(cfg["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            sys.stdout = os.fdopen(1, "w", buffering=1)
+            sys.stderr = os.fdopen(2, "w", buffering=1)
+            os.chdir(cfg["cwd"])
+            os.environ.update(cfg["env"])
+            try:
+                exec(RUNNER, {"__name__": "__main__", "cfg": cfg})
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                if not isinstance(exc.code, (int, type(None))):
+                    print(exc.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    print(json.dumps({"pid": pid}), flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
+"""
+
+
+class _Zygote:
+    """The bisect check's process forker (see ``_BISECT_ZYGOTE``)."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen = subprocess.Popen(
+            [sys.executable, "-c", _BISECT_ZYGOTE, _BISECT_RUNNER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def run(
+        self, config: Dict[str, object], timeout: float
+    ) -> Tuple[Optional[int], str]:
+        """
+        Run the runner in a forked child with ``config`` (``cwd``, ``env``,
+        ``log`` and the runner's own keys).
+
+        Returns:
+            Tuple[Optional[int], str]: the exit status (None: killed after
+            ``timeout`` seconds) and the output.
+        """
+        stdin, stdout = self._proc.stdin, self._proc.stdout
+        assert stdin is not None and stdout is not None
+        stdin.write(json.dumps(config) + "\n")
+        stdin.flush()
+        pid = json.loads(self._readline(stdout, 60.0))["pid"]
+        try:
+            line = self._readline(stdout, timeout)
+            code: Optional[int] = json.loads(line)["code"]
+        except TimeoutError:
+            _kill_group(pid)
+            self._readline(stdout, 60.0)
+            code = None
+        except BaseException:
+            _kill_group(pid)
+            raise
+        log = Path(str(config["log"]))
+        return code, log.read_text(errors="replace") if log.exists() else ""
+
+    def _readline(self, stream: object, timeout: float) -> str:
+        with selectors.DefaultSelector() as selector:
+            selector.register(stream, selectors.EVENT_READ)  # pyre-ignore[6]
+            if not selector.select(timeout):
+                raise TimeoutError
+        line = stream.readline()  # pyre-ignore[16]
+        if not line:
+            raise fl.ForkError(
+                f"the bisect check's process forker died (exit {self._proc.wait()})"
+            )
+        return line
+
+    def close(self) -> None:
+        """Stop the forker."""
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _kill_group(self._proc.pid)
+            self._proc.wait()
 
 
 def _invalidate_bytecode(tree: Path, rels: Sequence[str]) -> None:
@@ -791,6 +957,26 @@ def entry_tests(writes: Mapping[str, bytes], patch_diff: str = "") -> List[str]:
     return sorted(rel for rel in {*writes, *patched} if fl.is_test_file(rel))
 
 
+def entries_differing_from(repo: Path, version: str) -> List[str]:
+    """
+    The entries of the selected base whose commit may differ from the one
+    they make on base ``version``: entries ``version`` does not have, and
+    those whose patch comes from another file (a base's variant) there.
+    The others are the same change on both bases.
+
+    Args:
+        repo (Path): the fork repository.
+        version (str): the other base.
+
+    Returns:
+        List[str]: the entries' names, in stack order.
+    """
+    mine = {e.name: e.patch.source for e in fl.load_stack(repo)}
+    with fl.selected_base(version):
+        theirs = {e.name: e.patch.source for e in fl.load_stack(repo)}
+    return [name for name, source in mine.items() if theirs.get(name) != source]
+
+
 def bisect_check(
     repo: Path = fl.REPO_ROOT,
     *,
@@ -799,6 +985,7 @@ def bisect_check(
     stop_first: bool = False,
     keep: Optional[Path] = None,
     log: Optional[Callable[[str], None]] = None,
+    run_tests: Optional[Callable[[fl.StackEntry], bool]] = None,
 ) -> List[BisectResult]:
     """
     Prove every commit of the stack works on its own. One tree, built once
@@ -817,6 +1004,9 @@ def bisect_check(
         keep (Optional[Path]): build the tree there (kept) instead of in a
             temporary directory.
         log (Optional[Callable[[str], None]]): called with one line per entry.
+        run_tests (Optional[Callable[[fl.StackEntry], bool]]): whether an
+            entry's tests run (default: every entry's); at the others the
+            fork is only imported (their tests must still exist).
 
     Returns:
         List[BisectResult]: one per checked entry, in stack order.
@@ -833,47 +1023,85 @@ def bisect_check(
         raise fl.ForkError(f"no such stack entries: {', '.join(unknown)}")
     versions = fl.stack_file_versions(repo, stack)
     wheel = fl.fetch_base_wheel(repo)
-    results: List[BisectResult] = []
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-bisect-") as tmp:
         scratch = Path(tmp)
         tree = (keep or scratch / "tree").resolve()
         if tree.exists():
             shutil.rmtree(tree)
         fl.extract_upstream(wheel, tree)
-        present: List[str] = []
-        for index, (entry, writes) in enumerate(zip(stack, versions), start=1):
-            fl.apply_patch(tree, entry.patch)
-            for rel, data in writes.items():
-                (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-                (tree / rel).write_bytes(data)
-            changed = [c.path for c in fl.diff_changes(entry.patch.diff)]
-            _invalidate_bytecode(tree, changed + list(writes))
-            present += [rel for rel in writes if rel not in present]
-            if only and entry.name not in only:
-                continue
-            result = _check_entry(
-                scratch, tree, index, entry, writes, present, pytest_args
+        zygote = _Zygote()
+        try:
+            run = _BisectRun(
+                scratch, tree, only, pytest_args, stop_first, log, run_tests, zygote
             )
-            results.append(result)
-            if log is not None:
-                status = "ok" if result.ok else f"FAILED ({result.reason})"
-                log(
-                    f"{index:02d} {entry.name}: {status} in {result.seconds:.0f} s "
-                    f"[{', '.join(Path(t).name for t in result.tests) or 'no tests'}]"
-                )
-            if stop_first and not result.ok:
-                break
+            return _advance(run, stack, versions)
+        finally:
+            zygote.close()
+
+
+@dataclasses.dataclass
+class _BisectRun:
+    """What one bisect check needs while it advances the tree."""
+
+    scratch: Path
+    tree: Path
+    only: Optional[Sequence[str]]
+    pytest_args: Sequence[str]
+    stop_first: bool
+    log: Optional[Callable[[str], None]]
+    run_tests: Optional[Callable[[fl.StackEntry], bool]]
+    zygote: "_Zygote"
+
+
+def _advance(
+    run: _BisectRun,
+    stack: Sequence[fl.StackEntry],
+    versions: Sequence[Dict[str, bytes]],
+) -> List[BisectResult]:
+    """Apply the entries one by one to ``run.tree``, checking each asked for."""
+    results: List[BisectResult] = []
+    present: List[str] = []
+    for index, (entry, writes) in enumerate(zip(stack, versions), start=1):
+        fl.apply_patch(run.tree, entry.patch)
+        for rel, data in writes.items():
+            (run.tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            (run.tree / rel).write_bytes(data)
+        changed = [c.path for c in fl.diff_changes(entry.patch.diff)]
+        _invalidate_bytecode(run.tree, changed + list(writes))
+        present += [rel for rel in writes if rel not in present]
+        if run.only and entry.name not in run.only:
+            continue
+        result = _check_entry(
+            run,
+            index,
+            entry,
+            writes,
+            present,
+            run.run_tests is None or run.run_tests(entry),
+        )
+        results.append(result)
+        if run.log is not None:
+            status = (
+                ("ok" + (f" ({result.reason})" if result.reason else ""))
+                if result.ok
+                else f"FAILED ({result.reason})"
+            )
+            run.log(
+                f"{index:02d} {entry.name}: {status} in {result.seconds:.0f} s "
+                f"[{', '.join(Path(t).name for t in result.tests) or 'no tests'}]"
+            )
+        if run.stop_first and not result.ok:
+            break
     return results
 
 
 def _check_entry(
-    scratch: Path,
-    tree: Path,
+    run: _BisectRun,
     index: int,
     entry: fl.StackEntry,
     writes: Dict[str, bytes],
     present: Sequence[str],
-    pytest_args: Sequence[str],
+    with_tests: bool,
 ) -> BisectResult:
     tests = entry_tests(writes, entry.patch.diff)
     if not tests:
@@ -887,60 +1115,52 @@ def _check_entry(
         for name in [fl.module_name(rel)]
         if name is not None
     ]
-    config = {
-        "tree": str(tree),
+    config: Dict[str, object] = {
+        "tree": str(run.tree),
         "modules": modules,
-        "pytest": ["-q", "-p", "no:cacheprovider", f"--rootdir={tree}"]
-        + list(pytest_args)
-        + [str(tree / rel) for rel in tests],
+        "pytest": (
+            ["-q", "-p", "no:cacheprovider", f"--rootdir={run.tree}"]
+            + list(run.pytest_args)
+            + [str(run.tree / rel) for rel in tests]
+            if with_tests
+            else None
+        ),
     }
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
-    )
-    workdir = scratch / f"run-{index:02d}"
+    pythonpath = os.environ.get("PYTHONPATH")
+    config["env"] = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(run.tree)] + ([pythonpath] if pythonpath else [])
+        )
+    }
+    workdir = run.scratch / f"run-{index:02d}"
     workdir.mkdir(exist_ok=True)
+    config["cwd"] = str(workdir)
+    config["log"] = str(workdir / "output.txt")
     start = time.monotonic()
-    # Its own session: on a timeout (or an interrupt) the runner and every
-    # process its tests started (ranks, forkservers) are stopped together.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _BISECT_RUNNER, json.dumps(config)],
-        cwd=workdir,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=BISECT_ENTRY_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc)
-        output, _ = proc.communicate()
+    code, output = run.zygote.run(config, BISECT_ENTRY_TIMEOUT_S)
+    seconds = time.monotonic() - start
+    if code is None:
         return BisectResult(
             index,
             entry.name,
             tests,
             False,
             f"timed out after {BISECT_ENTRY_TIMEOUT_S:.0f} s",
-            time.monotonic() - start,
+            seconds,
             output,
         )
-    except BaseException:
-        _kill_session(proc)
-        raise
-    seconds = time.monotonic() - start
-    if proc.returncode == 0:
-        return BisectResult(index, entry.name, tests, True, "", seconds, output)
-    reason = "tests failed" if proc.returncode == 1 else f"exit {proc.returncode}"
-    if proc.returncode == 5:
+    if code == 0:
+        reason = "" if with_tests else "imports only"
+        return BisectResult(index, entry.name, tests, True, reason, seconds, output)
+    reason = "tests failed" if code == 1 else f"exit {code}"
+    if code == 5:
         reason = "pytest collected no test"
     return BisectResult(index, entry.name, tests, False, reason, seconds, output)
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    """Stop whatever is left of the session the runner leads."""
+def _kill_group(pid: int) -> None:
+    """Stop a process group (a forked check and whatever its tests started)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass

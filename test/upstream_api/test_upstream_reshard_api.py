@@ -1,8 +1,9 @@
 # pyre-strict
 
 """
-torchrec 1.8.0's public reshard API, called as its docstrings describe it, on
-the fork (whose engine does the work behind it):
+The public reshard API of torchrec 1.8.0 and 1.9.2 (the same on both), called
+as its docstrings describe it, on the fork (whose engine does the work behind
+it):
 
 - ``EmbeddingBagCollectionSharder.reshard(sharded_module, changed_shard_to_params,
   env, device)`` and ``ShardedEmbeddingBagCollection.update_shards(
