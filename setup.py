@@ -1,14 +1,15 @@
 """Build the TorchRec fork: pinned upstream wheel + overlay + patch series.
 
-``pip install .`` runs this file: it fetches the base wheel named in base.json
-(from $TORCHREC_FORK_BASE_WHEEL, ~/.cache/torchrec-fork/ or pip), verifies its
-sha256, extracts it into build/fork-src/, applies patches/series in order,
-copies the files under torchrec/ and packages the result as ``torchrec`` with
-the version in version.txt.
+``pip install .`` runs this file: it fetches the wheel of base.json's default
+base (from $TORCHREC_FORK_BASE_WHEEL, ~/.cache/torchrec-fork/ or pip),
+verifies its sha256, extracts it into build/fork-src/, applies the patches of
+patches/series in order (each entry's variant for that base where it has
+one), copies the files under torchrec/ and packages the result as
+``torchrec``, versioned ``<base>+<version.txt>``.
 
-``TORCHREC_FORK_BASE=1.8.0 pip install .`` builds on another base of base.json
-instead: its wheel, its series (patches/base-1.8.0/series), the same overlay,
-in build/fork-src-1.8.0/, as version 1.8.0+<version.txt's local part>.
+``TORCHREC_FORK_BASE=1.1.0 pip install .`` builds on another base of
+base.json instead: its wheel, the same series read for that base, the same
+overlay, in build/fork-src-1.1.0/.
 """
 
 from __future__ import annotations

@@ -5,28 +5,44 @@
 #
 # Environment knobs:
 #   TORCHREC_FORK_BASE   the upstream base of base.json to build on (default: its
-#                        default, 1.1.0; 1.8.0 builds the fork on torchrec 1.8.0)
+#                        "default"; e.g. 1.1.0 builds the fork on torchrec 1.1.0)
 #   TORCHREC_FORK_VENV   virtualenv to use (default: <repo>/.venv, and
 #                        <repo>/.venv-<base> for a base other than the default)
-#   TORCHREC_FORK_STACK  cpu (default) or cuda: requirements/<stack>.txt
-#                        (requirements/<stack>-<base>.txt on another base)
+#   TORCHREC_FORK_STACK  cpu (default) or cuda: requirements/<stack>.txt, plus
+#                        what the base's wheel needs (base.json's "requires")
 #   PYTHON               interpreter that creates the venv (default: python3.11
 #                        if present, else python3; must be 3.11)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-DEFAULT_BASE="$(sed -n 's/^  "version": "\(.*\)",$/\1/p' "$REPO/base.json" | head -n 1)"
-BASE="${TORCHREC_FORK_BASE:-$DEFAULT_BASE}"
+# base.json: its default base, and what the selected base's wheel needs
+# besides the stack every base shares ("requires").
+read_base() {
+    python3 - "$REPO/base.json" "${TORCHREC_FORK_BASE:-}" <<'PY'
+import json, sys
+data = json.load(open(sys.argv[1]))
+wanted = sys.argv[2] or data["default"]
+bases = {b["version"]: b for b in data["bases"]}
+if wanted not in bases:
+    sys.exit(f"[torchrec-fork] no base {wanted} in base.json ({', '.join(bases)})")
+print(data["default"])
+print(wanted)
+print(" ".join(bases[wanted].get("requires", [])))
+PY
+}
+BASE_INFO="$(read_base)"
+DEFAULT_BASE="$(sed -n 1p <<<"$BASE_INFO")"
+BASE="$(sed -n 2p <<<"$BASE_INFO")"
+BASE_REQUIRES="$(sed -n 3p <<<"$BASE_INFO")"
 STACK="${TORCHREC_FORK_STACK:-cpu}"
+REQS="$REPO/requirements/$STACK.txt"
 if [ "$BASE" = "$DEFAULT_BASE" ]; then
     VENV="${TORCHREC_FORK_VENV:-$REPO/.venv}"
-    REQS="$REPO/requirements/$STACK.txt"
 else
     VENV="${TORCHREC_FORK_VENV:-$REPO/.venv-$BASE}"
-    REQS="$REPO/requirements/$STACK-$BASE.txt"
-    # setup.py and tools/fork.py read it: build this base
-    export TORCHREC_FORK_BASE="$BASE"
 fi
+# setup.py and tools/fork.py read it: build this base
+export TORCHREC_FORK_BASE="$BASE"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 log() { echo "[torchrec-fork] $*" >&2; }
@@ -47,11 +63,12 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PYBIN="$VENV/bin/python"
 
-# (a base's requirements include the default stack's: both go into the stamp)
-stack_stamp="$(cat "$REQS" $([ "$REQS" = "$REPO/requirements/$STACK.txt" ] || echo "$REPO/requirements/$STACK.txt") | sha256sum | cut -d' ' -f1)"
+# (the base's own requirements go into the stamp with the stack's)
+stack_stamp="$( (cat "$REQS"; echo "$BASE_REQUIRES") | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$VENV/.fork-stack" 2>/dev/null || true)" != "$stack_stamp" ]; then
-    log "installing the $STACK stack ($REQS)"
-    "$PYBIN" -m pip install -q -r "$REQS"
+    log "installing the $STACK stack ($REQS${BASE_REQUIRES:+ + $BASE_REQUIRES})"
+    # shellcheck disable=SC2086
+    "$PYBIN" -m pip install -q -r "$REQS" $BASE_REQUIRES
     echo "$stack_stamp" > "$VENV/.fork-stack"
     rm -f "$VENV/.fork-build"
 fi
@@ -62,7 +79,7 @@ src_stamp="$(
         find setup.py pyproject.toml base.json version.txt tools patches torchrec \
             -type f ! -path '*/__pycache__/*' ! -name '*.py[co]' -print0 |
         sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
-)$([ "$BASE" = "$DEFAULT_BASE" ] || echo "-$BASE")"
+)-$BASE"
 if [ "$(cat "$VENV/.fork-build" 2>/dev/null || true)" != "$src_stamp" ]; then
     log "building and installing the fork on torchrec $BASE from $REPO"
     "$PYBIN" -m pip install -q --no-deps --no-build-isolation --force-reinstall "$REPO"

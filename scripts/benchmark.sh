@@ -3,11 +3,12 @@
 # needed, then run benchmarks/reshard_benchmark.py on 2 gloo ranks. Extra
 # arguments go to the benchmark (see --help).
 #
-# With --compare-upstream: stock torchrec 1.8.0's own reshard against the fork
-# on 1.8.0, side by side (benchmarks/upstream_compare_benchmark.py; the other
-# arguments go to it). It sets up .venv-1.8.0 (TORCHREC_FORK_BASE=1.8.0: the
-# stack and the fork) and .venv-1.8.0-stock (the stock 1.8.0 wheel, the same
-# stack; TORCHREC_STOCK_VENV overrides where) if needed.
+# With --compare-upstream: a stock torchrec release's own reshard against the
+# fork on the same release, side by side (benchmarks/upstream_compare_benchmark.py;
+# the other arguments go to it): the default base (1.9.2), or 1.8.0 with
+# TORCHREC_FORK_BASE=1.8.0.
+# It sets up .venv-<base> (the stack and the fork) and .venv-<base>-stock (the
+# stock wheel, the same stack; TORCHREC_STOCK_VENV overrides where) if needed.
 set -euo pipefail
 compare=0
 args=()
@@ -18,9 +19,6 @@ for arg in "$@"; do
         args+=("$arg")
     fi
 done
-if [ "$compare" = 1 ]; then
-    export TORCHREC_FORK_BASE=1.8.0
-fi
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
 if [ "$compare" = 1 ]; then

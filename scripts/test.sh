@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # All tests on a fresh machine: set up .venv (stack + fork) if needed, then run
-# the fork-level tests in test/ and the in-package tests of the INSTALLED fork
-# (pytest --pyargs torchrec.distributed.tests). Extra arguments go to pytest.
+# the fork-level tests in test/ (the series, tools, stacks and bisect checks of
+# every base, packaging, the demo; on a base with upstream's own reshard API,
+# test/upstream_api too) and the in-package tests of the INSTALLED fork
+# (pytest --pyargs torchrec.distributed.tests ...). Extra arguments go to pytest.
 #
-# TORCHREC_FORK_BASE=1.8.0 runs them on the torchrec 1.8.0 base instead (its
-# own venv, .venv-1.8.0): the in-package tests and test/base-1.8.0/ (the
-# fork-level tests of test/ are about the repository and its tools, and run on
-# the default base).
+# TORCHREC_FORK_BASE=VERSION runs them on another base of base.json (its own
+# venv, .venv-VERSION); .ci/run says what CI runs on each base. The tests
+# .ci/bases.txt deselects on the base ('!NAME' lines of its section, each with
+# its reason) are deselected here too.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
-FORK_TESTS="$REPO/test"
-if [ "$BASE" != "$DEFAULT_BASE" ]; then
-    FORK_TESTS="$REPO/test/base-$BASE"
+deselect="$(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' .ci/bases.txt |
+    awk -v want="[$BASE]" '/^\[/{on = ($0 == want); next} on && /^!/ {
+        printf "%snot %s", (n++ ? " and " : ""), substr($0, 2) }')"
+k=()
+if [ -n "$deselect" ]; then
+    k=(-k "$deselect")
 fi
 # test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
-exec "$VENV/bin/pytest" -p no:cacheprovider "$FORK_TESTS" --pyargs \
+exec "$VENV/bin/pytest" -p no:cacheprovider ${k[@]+"${k[@]}"} "$REPO/test" --pyargs \
     torchrec.distributed.tests torchrec.distributed.resharding.tests \
     torchrec.optim.tests "$@"
