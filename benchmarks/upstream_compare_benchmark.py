@@ -8,11 +8,13 @@
 # pyre-strict
 
 """
-Side by side: stock torchrec 1.8.0's own reshard against the fork on 1.8.0
-(issue 18, point 6).
+Side by side: a stock torchrec release's own reshard against the fork on the
+same release (1.8.0 or 1.9.2, the bases of base.json that have upstream's
+own reshard; ``$TORCHREC_FORK_BASE`` selects it, default 1.8.0). Below,
+1.8.0 stands for either.
 
 Both sides run the same script, the same model and the same moves, through
-upstream 1.8.0's public API only::
+upstream's public API only::
 
     _, delta = output_sharding_plan_delta_single(module.module_sharding_plan, new)
     sharder.reshard(module, delta, env, device)     # EmbeddingBagCollectionSharder
@@ -95,18 +97,31 @@ CHUNK_ROWS = 1 << 16
 BATCH_SIZE = 32
 IDS_PER_SAMPLE = 4
 
+
+def _selected_base() -> str:
+    """The version of the base the tools select (base.json, $TORCHREC_FORK_BASE)."""
+    sys.path.insert(0, str(REPO))
+    from tools import forklib  # pyre-ignore[21]
+
+    return forklib.load_base(REPO).version
+
+
+#: The release compared: the base of base.json that $TORCHREC_FORK_BASE
+#: selects (else its default), one with upstream's own reshard (1.8.0, 1.9.2).
+BASE: str = _selected_base()
+
 SIDES = ["floor", "stock", "fork", "fork_copy"]
 SIDE_LABELS = {
     "floor": "bare all_to_all_single of the same bytes per rank into a fresh "
     "buffer (reshard_benchmark.py's a2a_fresh): no reshard can beat it by much",
-    "stock": "stock torchrec 1.8.0: EmbeddingBagCollectionSharder.reshard",
-    "fork": "the fork on 1.8.0: the same call (its engine, default options)",
-    "fork_copy": "the fork on 1.8.0: reshard_module(..., ReshardOptions(storage="
+    "stock": f"stock torchrec {BASE}: EmbeddingBagCollectionSharder.reshard",
+    "fork": f"the fork on {BASE}: the same call (its engine, default options)",
+    "fork_copy": f"the fork on {BASE}: reshard_module(..., ReshardOptions(storage="
     "StorageMode.COPY)), the fork's own API (not upstream's)",
 }
 MOVES = ["table_wise", "column_wise"]
-STOCK_VENV = REPO / ".venv-1.8.0-stock"
-FORK_VENV = REPO / ".venv-1.8.0"
+STOCK_VENV = REPO / f".venv-{BASE}-stock"
+FORK_VENV = REPO / f".venv-{BASE}"
 STACK_PTH = "zz-torchrec-compare-stack.pth"
 
 
@@ -131,31 +146,24 @@ def _purelib(python: Path) -> str:
 
 def stock_wheel() -> Path:
     """
-    The verified stock torchrec 1.8.0 wheel base.json pins (from
+    The verified stock torchrec wheel (of ``BASE``) base.json pins (from
     ``$TORCHREC_FORK_BASE_WHEEL``, the fork's wheel cache, or pip).
 
     Returns:
         Path: the wheel file.
     """
-    sys.path.insert(0, str(REPO / "tools"))
-    import forklib  # pyre-ignore[21]
+    sys.path.insert(0, str(REPO))
+    from tools import forklib  # pyre-ignore[21]
 
-    old = os.environ.get("TORCHREC_FORK_BASE")
-    os.environ["TORCHREC_FORK_BASE"] = "1.8.0"
-    try:
+    with forklib.selected_base(BASE):
         return forklib.fetch_base_wheel(REPO)
-    finally:
-        if old is None:
-            del os.environ["TORCHREC_FORK_BASE"]
-        else:
-            os.environ["TORCHREC_FORK_BASE"] = old
 
 
 def ensure_stock_venv(venv: Path, stack_python: Path) -> Path:
     """
     Creates (or checks) the stock venv: a venv holding the stock torchrec
-    1.8.0 wheel alone, which takes the rest of the stack from the
-    site-packages of ``stack_python`` (the fork's 1.8.0 venv) through a
+    wheel of ``BASE`` alone, which takes the rest of the stack from the
+    site-packages of ``stack_python`` (the fork's venv on that base) through a
     ``.pth`` file. Idempotent; nothing is downloaded when the wheel is cached.
 
     Args:
@@ -166,7 +174,7 @@ def ensure_stock_venv(venv: Path, stack_python: Path) -> Path:
         Path: the stock venv's interpreter.
 
     Raises:
-        RuntimeError: when the venv does not import stock torchrec 1.8.0.
+        RuntimeError: when the venv does not import stock torchrec ``BASE``.
     """
     python = venv / "bin" / "python"
     wheel = stock_wheel()
@@ -216,9 +224,10 @@ def ensure_stock_venv(venv: Path, stack_python: Path) -> Path:
         text=True,
     )
     words = check.stdout.split()
-    if check.returncode != 0 or words[:2] != ["1.8.0", "True"]:
+    if check.returncode != 0 or words[:2] != [BASE, "True"]:
         raise RuntimeError(
-            f"{venv} does not import stock torchrec 1.8.0: {check.stdout} {check.stderr}"
+            f"{venv} does not import stock torchrec {BASE}: {check.stdout} "
+            f"{check.stderr}"
         )
     return python
 
@@ -671,7 +680,7 @@ def side_worker(
     # the side must be what it claims
     is_fork = importlib.util.find_spec("torchrec.distributed.resharding") is not None
     version = importlib.metadata.version("torchrec")
-    if is_fork != (args.side != "stock") or not version.startswith("1.8.0"):
+    if is_fork != (args.side != "stock") or not version.startswith(BASE):
         raise RuntimeError(
             f"side {args.side} imports torchrec {version} from {torchrec.__file__}"
         )
@@ -1135,7 +1144,7 @@ def run_driver(args: argparse.Namespace) -> int:
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     moves = [m for m in MOVES if m in args.moves.split(",")]
     header = (
-        f"stock torchrec 1.8.0 vs the fork on 1.8.0: {args.world_size} gloo ranks on "
+        f"stock torchrec {BASE} vs the fork on {BASE}: {args.world_size} gloo ranks on "
         f"CPU, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
         f"1 thread per rank; {TABLES_PER_RANK * args.world_size} fp32 tables dim {DIM}, "
         f"fused kernel, {args.optimizer}; size = weight MiB each rank sends per move; "
@@ -1221,7 +1230,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         argparse.Namespace: the options.
     """
     p = argparse.ArgumentParser(
-        description="Stock torchrec 1.8.0's reshard against the fork on 1.8.0, "
+        description=f"Stock torchrec {BASE}'s reshard against the fork on {BASE}, "
         "side by side (same model, same moves, upstream's public API).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
