@@ -70,7 +70,6 @@ from torchrec.distributed.resharding.rebalance.policy import (  # noqa
 )
 from torchrec.distributed.resharding.rebalance.rebalancer import (  # noqa
     RebalanceDecision,
-    RebalanceError,
     Rebalancer,
     ReshardOutcome,
 )
@@ -124,7 +123,6 @@ __all__ = [
     "LoadStatistics",
     "PolicyState",
     "RebalanceDecision",
-    "RebalanceError",
     "RebalancePolicy",
     "Rebalancer",
     "Relabelling",

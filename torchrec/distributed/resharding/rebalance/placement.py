@@ -11,16 +11,13 @@
 Pure: a model's shards as units of work on ranks, and moves of them.
 
 A ``Placement`` holds every table's layout as the engine reads it from a plan
-(``elastic_plan.plan_layouts``, i.e. ``plan.layout_from_parameter_sharding``)
-and every shard as a ``ShardUnit``: the elements one id of the table reads in
-it (its share of the table's rows times its columns), the bytes its rank
-holds for it, and whether a move may put it on another rank. A shard of a
-table-wise, column-wise or table-column-wise table may move: it is one
-rectangle on one rank, whatever rank. Row-wise, table-row-wise and grid
-shards (whose position among the ranks is their row block) and data-parallel
-replicas stay. ``moved_layouts`` turns moves into new layouts and
-``plan_with_layouts`` into new ``ParameterSharding``s, which the engine then
-validates and reshards.
+(``elastic_plan.plan_layouts``) and every shard as a ``ShardUnit``: the
+elements one id of the table reads in it, the bytes its rank holds for it,
+and whether it may move. A table-wise, column-wise or table-column-wise
+shard may: it is one rectangle on any one rank. Row-wise, table-row-wise and
+grid shards (whose row block is their position among the ranks) and
+data-parallel replicas stay. Moves become layouts (``moved_layouts``) and
+``ParameterSharding``s (``plan_with_layouts``) the engine then reshards to.
 """
 
 from dataclasses import dataclass, replace
@@ -42,7 +39,6 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 
-# A shard of these types is one rectangle that may sit on any rank.
 MOVABLE_TYPES: Tuple[str, ...] = (
     ShardingType.TABLE_WISE.value,
     ShardingType.COLUMN_WISE.value,
@@ -84,9 +80,9 @@ class ShardUnit:
         table (int): the table's index in the placement.
         shard (int): the shard's index in the table's layout.
         rank (int): the rank holding it.
-        work (float): elements one id of the table reads in this shard, on
-            average (rows share times columns; a replica serves its rank's
-            share of the ids).
+        work (float): elements one id of the table reads in it, on average
+            (its share of the rows times its columns; a replica serves its
+            rank's share of the ids).
         nbytes (int): bytes the rank holds for it.
         movable (bool): whether a move may put it on another rank.
     """
@@ -126,49 +122,27 @@ class Placement:
         return {t.key: t.layout for t in self.tables}
 
 
-def shard_units(tables: Sequence[TableInfo], world_size: int) -> Tuple[ShardUnit, ...]:
-    """
-    Args:
-        tables (Sequence[TableInfo]): the tables of a placement.
-        world_size (int): ranks.
-
-    Returns:
-        Tuple[ShardUnit, ...]: every shard of every table as a unit.
-    """
+def placement_from_tables(tables: Sequence[TableInfo], world_size: int) -> Placement:
+    """The placement of ``tables`` (any order) over ``world_size`` ranks."""
+    ordered = tuple(sorted(tables, key=lambda t: t.key))
     units = []
-    for index, table in enumerate(tables):
+    for index, table in enumerate(ordered):
         layout = table.layout
         movable = table.sharding_type in MOVABLE_TYPES and not layout.replicated
         for k, shard in enumerate(layout.shards):
             rect = shard.rect
-            if layout.replicated:
-                work = rect.cols / world_size
-            else:
-                work = rect.rows / max(layout.rows, 1) * rect.cols
+            share = 1 / world_size if layout.replicated else rect.rows / layout.rows
             units.append(
                 ShardUnit(
                     index,
                     k,
                     shard.rank,
-                    work,
+                    share * rect.cols,
                     rect.numel * table.element_bytes,
                     movable,
                 )
             )
-    return tuple(units)
-
-
-def placement_from_tables(tables: Sequence[TableInfo], world_size: int) -> Placement:
-    """
-    Args:
-        tables (Sequence[TableInfo]): the tables (any order).
-        world_size (int): ranks.
-
-    Returns:
-        Placement: the tables sorted by key, with their units.
-    """
-    ordered = tuple(sorted(tables, key=lambda t: t.key))
-    return Placement(ordered, world_size, shard_units(ordered, world_size))
+    return Placement(ordered, world_size, tuple(units))
 
 
 def module_plan(plan: ShardingPlan, path: str) -> EmbeddingModuleShardingPlan:
@@ -185,17 +159,14 @@ def placement_of(
     world_size: int,
 ) -> Placement:
     """
-    A plan's placement.
-
     Args:
-        plan (ShardingPlan): the plan (group-local ranks).
-        tables (Mapping[str, Sequence[TableShape]]): module path -> its tables
-            as (name, rows, columns).
+        plan (ShardingPlan): a plan (group-local ranks).
+        tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
         element_bytes (Mapping[str, int]): table key -> bytes per element.
         world_size (int): ranks.
 
     Returns:
-        Placement: the placement.
+        Placement: the plan's placement.
     """
     layouts = plan_layouts(plan, tables, list(range(world_size)))
     infos = []
@@ -203,15 +174,8 @@ def placement_of(
         shardings = module_plan(plan, path)
         for name, _, _ in shapes:
             key = table_key(path, name)
-            infos.append(
-                TableInfo(
-                    path,
-                    name,
-                    shardings[name].sharding_type,
-                    layouts[key],
-                    element_bytes[key],
-                )
-            )
+            kind = shardings[name].sharding_type
+            infos.append(TableInfo(path, name, kind, layouts[key], element_bytes[key]))
     return placement_from_tables(infos, world_size)
 
 
@@ -219,14 +183,13 @@ def moved_layouts(
     placement: Placement, moves: Sequence[Tuple[int, int]]
 ) -> Dict[str, TableLayout]:
     """
-    The new layouts of the tables that moves change.
-
     Args:
         placement (Placement): the placement.
         moves (Sequence[Tuple[int, int]]): (unit index, destination rank).
 
     Returns:
-        Dict[str, TableLayout]: table key -> its layout after the moves.
+        Dict[str, TableLayout]: the layout after the moves of each table
+        they change, by key.
     """
     by_table: Dict[int, Dict[int, int]] = {}
     for index, rank in moves:
@@ -235,21 +198,17 @@ def moved_layouts(
     out = {}
     for t, ranks in sorted(by_table.items()):
         table = placement.tables[t]
-        layout = table.layout
-        shards = tuple(
-            PlacedShard(ranks.get(k, s.rank), s.rect)
-            for k, s in enumerate(layout.shards)
+        shards = table.layout.shards
+        moved = tuple(
+            PlacedShard(ranks.get(k, s.rank), s.rect) for k, s in enumerate(shards)
         )
-        out[table.key] = replace(layout, shards=shards)
+        out[table.key] = replace(table.layout, shards=moved)
     return out
 
 
 def with_layouts(placement: Placement, layouts: Mapping[str, TableLayout]) -> Placement:
     """The placement with some tables' layouts replaced (by key)."""
-    tables = [
-        replace(t, layout=layouts[t.key]) if t.key in layouts else t
-        for t in placement.tables
-    ]
+    tables = [replace(t, layout=layouts.get(t.key, t.layout)) for t in placement.tables]
     return placement_from_tables(tables, placement.world_size)
 
 
@@ -266,16 +225,14 @@ def sharding_for_layout(
     device_of: Callable[[int], str],
 ) -> ParameterSharding:
     """
-    ``sharding`` with the shards (and ranks) of ``layout``, its other settings
-    kept; a data-parallel sharding is returned as it is.
-
     Args:
-        sharding (ParameterSharding): the table's sharding.
+        sharding (ParameterSharding): a table's sharding.
         layout (TableLayout): the layout it should have (spec order).
         device_of (Callable[[int], str]): the device of a rank's shards.
 
     Returns:
-        ParameterSharding: a new sharding.
+        ParameterSharding: ``sharding`` with the shards and ranks of
+        ``layout``, its other settings kept (a replicated one as it is).
     """
     if layout.replicated:
         return sharding
@@ -301,29 +258,24 @@ def plan_with_layouts(
     device_of: Callable[[int], str],
 ) -> ShardingPlan:
     """
-    A new plan: ``plan`` with the tables of ``layouts`` (by key) laid out
-    anew; every other table keeps its ``ParameterSharding`` object, so the
-    engine's ``plan_delta`` sees exactly the moved tables. ``plan`` is not
-    modified.
-
     Args:
-        plan (ShardingPlan): the current plan.
+        plan (ShardingPlan): the current plan (not modified).
         placement (Placement): its placement.
-        layouts (Mapping[str, TableLayout]): new layouts by table key.
+        layouts (Mapping[str, TableLayout]): new layouts, by table key.
         device_of (Callable[[int], str]): the device of a rank's shards.
 
     Returns:
-        ShardingPlan: the new plan.
+        ShardingPlan: ``plan`` with the tables of ``layouts`` laid out anew;
+        every other table keeps its ``ParameterSharding`` object, so the
+        engine's ``plan_delta`` sees exactly the moved tables.
     """
-    changed: Dict[str, Dict[str, TableLayout]] = {}
-    for table in placement.tables:
-        if table.key in layouts:
-            changed.setdefault(table.path, {})[table.name] = layouts[table.key]
+    keys = {(t.path, t.name): t.key for t in placement.tables}
     modules: Dict[str, ModuleShardingPlan] = {}
     for path in plan.plan:
-        shardings = module_plan(plan, path)
-        new = EmbeddingModuleShardingPlan(shardings)
-        for name, layout in changed.get(path, {}).items():
-            new[name] = sharding_for_layout(shardings[name], layout, device_of)
+        new = EmbeddingModuleShardingPlan(module_plan(plan, path))
+        for name, sharding in new.items():
+            key = keys[(path, name)]
+            if key in layouts:
+                new[name] = sharding_for_layout(sharding, layouts[key], device_of)
         modules[path] = new
     return ShardingPlan(modules)

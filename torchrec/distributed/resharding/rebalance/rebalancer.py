@@ -36,9 +36,8 @@ nothing else in the model changes. ``history`` keeps every decision and
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Deque, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -113,10 +112,6 @@ from torchrec.modules.embedding_configs import data_type_to_dtype
 logger: logging.Logger = logging.getLogger(__name__)
 
 Delta = Dict[str, Dict[str, ParameterSharding]]
-
-
-class RebalanceError(RuntimeError):
-    """Raised when the rebalancer is misused; the model is unchanged."""
 
 
 @dataclass(frozen=True)
@@ -223,14 +218,6 @@ class ReshardOutcome:
         if self.measured_step_seconds <= 0:
             return 0.0
         return self.predicted_step_seconds / self.measured_step_seconds - 1.0
-
-
-def exchange_seconds(report: Any) -> float:
-    """
-    The seconds a reshard's bytes took, for the bandwidth estimate: its
-    exchange phase (the agreement and the build cost the same whatever moves).
-    """
-    return report.phases.exchange
 
 
 @dataclass(frozen=True)
@@ -371,7 +358,6 @@ class Rebalancer:
         self._pending: Optional[RebalanceDecision] = None
         self.history: List[RebalanceDecision] = []
         self.outcomes: List[ReshardOutcome] = []
-        self.statistics: Deque[LoadStatistics] = deque(maxlen=100)
 
     @property
     def state(self) -> PolicyState:
@@ -415,8 +401,6 @@ class Rebalancer:
         """Every decision so far, one line each."""
         return "\n".join(d.line() for d in self.history)
 
-    # ------------------------------------------------------------ the model
-
     def _read_model(self) -> _ModelView:
         """The model's tables and placement under its current plan."""
         model = self._model
@@ -451,8 +435,6 @@ class Rebalancer:
             self._model.device.type, rank, self._topology.local_world_size
         )
 
-    # ----------------------------------------------------------- the window
-
     def _window(self) -> RebalanceDecision:
         view = self._current_view()
         ready = self._rank == 0 and self._background.ready()
@@ -461,7 +443,6 @@ class Rebalancer:
             stats = self._monitor.collect(self._pg, extra)
         except ValueError as e:  # read from the reduced counters: every rank
             return self._disagreement(f"the ranks' load statistics differ: {e}")
-        self.statistics.append(stats)
         self._state = with_bandwidth(
             self._state, max(stats.reshard_bytes), max(stats.reshard_seconds)
         )
@@ -562,8 +543,6 @@ class Rebalancer:
             predicted_gain=prediction.gain,
             saving_per_step=prediction.saving,
         )
-
-    # --------------------------------------------------- the full replan
 
     def _maybe_replan(self, stats: LoadStatistics, gain_bound: float) -> str:
         """Starts a full replan when the policy allows it; says so."""
@@ -686,8 +665,6 @@ class Rebalancer:
         logger.info("rebalance step %d: %s", self._step, reason)
         return replace(decision, reason=reason)
 
-    # ------------------------------------------------------------ the move
-
     def _try_reshard(
         self,
         candidate: ShardingPlan,
@@ -734,9 +711,10 @@ class Rebalancer:
                 e,
             )
             return replace(decision, action="failed", reason=f"{type(e).__name__}: {e}")
-        self._monitor.record_reshard(
-            done.bytes_sent + done.bytes_received, exchange_seconds(done)
-        )
+        # the bandwidth from the exchange phase: the agreement and the build
+        # cost the same whatever moves
+        moved = done.bytes_sent + done.bytes_received
+        self._monitor.record_reshard(moved, done.phases.exchange)
         if dense and self._rebuild_optimizer is not None:
             self._rebuild_optimizer(self._model)
         self._state = after_reshard(self.policy, self._state, self._step)

@@ -8,25 +8,18 @@
 # pyre-strict
 
 """
-Pure: the incremental rebalancing search, fast enough to run every window on
-every rank.
+Pure: the incremental rebalancing search, run every window on every rank.
 
-From each rank's load (seconds per step) and each shard's cost, the search
-repeatedly takes the slowest rank and moves one of its movable shards to one
-of the least loaded ranks, or swaps one with a cheaper shard there: the move
-whose pair of ranks ends lowest, with each byte moved priced at
-``byte_price`` seconds per step (the move's cost amortised over the policy's
-horizon), so that among cuts about as good the one moving fewer bytes wins,
-and a move that does not pay for its bytes is not made. A move must keep
-each rank within its memory and never put two shards of one table on one
-rank; ``move_budget`` bounds the bytes any rank sends plus receives.
-
-It stops when the slowest rank cannot be cut (or is at the lower bound). The
-result depends only on its inputs and their order (ties go to the lowest
-index), so every rank that runs it on the same all-reduced statistics gets
-the same moves. Its cost grows with the moves it makes, each a few heap
-operations over the ranks and a scan of the slowest rank's shards against a
-handful of receivers, not with ranks times shards.
+It takes the slowest rank and moves one of its movable shards to one of the
+least loaded ranks, or swaps one with a cheaper shard there: the move whose
+two ranks end lowest, each byte moved priced at ``byte_price`` seconds per
+step (its move time over the policy's horizon: among cuts about as good the
+fewer bytes win, and a move that does not pay for its bytes is not made),
+never over a rank's memory, never two shards of a table on one rank, within
+``move_budget`` bytes per rank; and again, until the slowest rank cannot be
+cut. Ties go to the lowest index, so every rank gets the same moves from the
+same statistics. Each move costs a few heap operations over the ranks and a
+scan of one rank's shards against a handful of receivers.
 """
 
 import heapq
@@ -35,8 +28,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from torchrec.distributed.resharding.rebalance.placement import ShardUnit
 
-# Receivers tried per move (the least loaded ranks), and for swaps.
-RECEIVERS: int = 8
+RECEIVERS: int = 8  # the least loaded ranks tried per move, and per swap
 SWAP_RECEIVERS: int = 4
 
 
@@ -135,8 +127,6 @@ class _Search:
         heapq.heapify(self.high)
         heapq.heapify(self.low)
 
-    # -------------------------------------------------------------- the heaps
-
     def slowest(self) -> int:
         high, load = self.high, self.load
         while -high[0][0] != load[high[0][1]]:
@@ -164,8 +154,6 @@ class _Search:
         self.load[rank] = value
         heapq.heappush(self.high, (-value, rank))
         heapq.heappush(self.low, (value, rank))
-
-    # ------------------------------------------------------------ the moves
 
     def fits(self, i: int, dst: int, freed: int = 0) -> bool:
         unit = self.units[i]
@@ -216,8 +204,6 @@ class _Search:
         self.used[src] -= unit.nbytes
         self.used[dst] += unit.nbytes
         self.where[i] = dst
-
-    # ------------------------------------------------------------ the search
 
     def best_move(
         self, s: int, receivers: Sequence[int]

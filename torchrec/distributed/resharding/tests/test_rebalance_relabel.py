@@ -31,6 +31,7 @@ from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    ParameterShardingGenerator,
     row_wise,
     table_row_wise,
     table_wise,
@@ -62,10 +63,12 @@ def _ebc(num_tables: int) -> EmbeddingBagCollection:
     )
 
 
-def _plan(specs: List[object], world_size: int, local_size: int = 0) -> ShardingPlan:
+def _plan(
+    specs: List[ParameterShardingGenerator], world_size: int, local_size: int = 0
+) -> ShardingPlan:
     module_plan = construct_module_sharding_plan(
         _ebc(len(specs)),
-        per_param_sharding={f"t{i}": s for i, s in enumerate(specs)},  # pyre-ignore
+        per_param_sharding={f"t{i}": s for i, s in enumerate(specs)},
         sharder=EmbeddingBagCollectionSharder(),
         local_size=local_size or world_size,
         world_size=world_size,
@@ -127,7 +130,9 @@ def _brute_force_kept(
     return best
 
 
-def _spec(draw_rank: st.SearchStrategy[int]) -> st.SearchStrategy[object]:
+def _spec(
+    draw_rank: st.SearchStrategy[int],
+) -> st.SearchStrategy[ParameterShardingGenerator]:
     return st.one_of(
         draw_rank.map(table_wise),
         st.lists(draw_rank, min_size=2, max_size=2).map(column_wise),

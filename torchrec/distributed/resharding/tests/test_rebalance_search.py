@@ -48,6 +48,7 @@ from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    ParameterShardingGenerator,
     row_wise,
     table_wise,
 )
@@ -212,14 +213,12 @@ def _ebc(n: int) -> EmbeddingBagCollection:
     )
 
 
-def _plan(specs: List[object], world_size: int) -> ShardingPlan:
+def _plan(specs: List[ParameterShardingGenerator], world_size: int) -> ShardingPlan:
     return ShardingPlan(
         {
             PATH: construct_module_sharding_plan(
                 _ebc(len(specs)),
-                per_param_sharding={
-                    f"t{i}": s for i, s in enumerate(specs)
-                },  # pyre-ignore[6]
+                per_param_sharding={f"t{i}": s for i, s in enumerate(specs)},
                 sharder=EmbeddingBagCollectionSharder(),
                 local_size=world_size,
                 world_size=world_size,
