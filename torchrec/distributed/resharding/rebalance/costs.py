@@ -23,7 +23,10 @@ time a move leaves.
   step time minus the slowest rank's measured kernel seconds) plus the
   slowest rank's kernel seconds after the move (its measured seconds, less
   the shards it gives, plus the shards it gets). No estimator of other
-  hardware takes part.
+  hardware takes part. A rank's measured remainder may be noise (a rank
+  slowed by a neighbour for a window): the saving is never taken above what
+  the calibrated costs alone give (the slope times the cut of the busiest
+  rank's elements), so noise on one rank does not pay for a move.
 * ``propose`` runs the incremental search on one window's statistics.
 """
 
@@ -56,11 +59,15 @@ class StepPrediction:
             step measured.
         predicted_kernels (Tuple[float, ...]): per rank, the same predicted
             after the move.
+        modelled_saving (Optional[float]): seconds per step the calibrated
+            costs alone save (the slope times the cut of the busiest rank's
+            elements); the prediction never saves more.
     """
 
     measured_step: float
     measured_kernels: Tuple[float, ...]
     predicted_kernels: Tuple[float, ...]
+    modelled_saving: Optional[float] = None
 
     @property
     def fixed(self) -> float:
@@ -69,7 +76,10 @@ class StepPrediction:
 
     @property
     def predicted_step(self) -> float:
-        return self.fixed + max(self.predicted_kernels, default=0.0)
+        step = self.fixed + max(self.predicted_kernels, default=0.0)
+        if self.modelled_saving is None:
+            return step
+        return max(step, self.measured_step - self.modelled_saving)
 
     @property
     def saving(self) -> float:
@@ -184,14 +194,24 @@ def predicted_kernels(
 
 
 def predict_step(
-    stats: LoadStatistics, kernels_after: Sequence[float]
+    stats: LoadStatistics,
+    kernels_after: Sequence[float],
+    modelled_saving: Optional[float] = None,
 ) -> StepPrediction:
     """The step time of a window and the one predicted after a move."""
     return StepPrediction(
         measured_step=stats.step_time,
         measured_kernels=tuple(stats.compute_seconds),
         predicted_kernels=tuple(kernels_after),
+        modelled_saving=modelled_saving,
     )
+
+
+def modelled_saving(
+    before: Sequence[float], after: Sequence[float], seconds_per_element: float
+) -> float:
+    """The cut of the busiest rank's elements (per rank, before and after), in seconds."""
+    return seconds_per_element * (max(before, default=0.0) - max(after, default=0.0))
 
 
 def propose(
@@ -227,8 +247,15 @@ def propose(
         byte_price=byte_price,
         move_budget=move_budget,
     )
+    before = rank_elements(placement.units, ids, placement.world_size)
+    after = list(before)
+    for index, rank in result.moves:
+        unit = placement.units[index]
+        after[unit.rank] -= ids[unit.table] * unit.work
+        after[rank] += ids[unit.table] * unit.work
+    saving = modelled_saving(before, after, seconds_per_element)
     return Proposal(
         layouts=moved_layouts(placement, result.moves),
-        prediction=predict_step(stats, result.loads),
+        prediction=predict_step(stats, result.loads, saving),
         search=result,
     )

@@ -62,6 +62,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.rebalance.costs import (
     calibrate,
+    modelled_saving,
     predict_step,
     predicted_kernels,
     propose,
@@ -631,6 +632,11 @@ class Rebalancer:
         prediction = predict_step(
             stats,
             predicted_kernels(stats.compute_seconds, view.placement, after, ids, slope),
+            modelled_saving(
+                rank_elements(view.placement.units, ids, self._world_size),
+                rank_elements(after.units, ids, self._world_size),
+                slope,
+            ),
         )
         decision = replace(
             self._with_prediction(decision, prediction, "full replan"),

@@ -16,11 +16,14 @@ calibration recovers the slope (with a fixed part when the ranks' elements
 differ enough, through the origin when they do not, the prior when nothing
 was measured); the predicted step time after any move equals the step time
 that model gives for the new placement; the window's proposal moves hot
-shards off the slowest rank and predicts what the model then gives.
+shards off the slowest rank and predicts what the model then gives; noise
+that slows one rank for a window predicts no gain from a move that only
+mirrors the placement.
 """
 
 import random
 import unittest
+from dataclasses import replace
 from typing import List, Sequence
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
@@ -145,6 +148,23 @@ class CostModelTest(unittest.TestCase):
         truth = DENSE + max(_true_kernels(after, ids))
         self.assertAlmostEqual(proposal.prediction.predicted_step, truth, delta=1e-9)
         self.assertGreater(proposal.prediction.gain, 0.3)
+
+    def test_noise_on_one_rank_pays_for_no_move(self) -> None:
+        # a hot table alone on rank 0, half of it on rank 1: the best there
+        # is; rank 0 measured 3x slower than the model says for one window
+        ids = [4e4, 1e3, 2e4, 1e3, 1e3, 1e3, 1e3, 1e3]
+        before = _placement([0, 1, 1, 1, 2, 2, 3, 3])
+        clean = _stats(before, ids)
+        kernels = list(clean.compute_seconds)
+        kernels[0] *= 3.0
+        noisy = replace(clean, compute_seconds=tuple(kernels))
+        slope = calibrate(
+            kernels, rank_elements(before.units, table_ids(noisy, before), WORLD)
+        )
+        assert slope is not None
+        proposal = propose(noisy, before, slope, [1e12] * WORLD)
+        self.assertLessEqual(proposal.prediction.gain, 0.0)
+        self.assertLessEqual(proposal.prediction.saving, 0.0)
 
 
 if __name__ == "__main__":
