@@ -424,20 +424,25 @@ def targets(summary: Dict[str, Any]) -> List[str]:
         f"ms/step, {sta['ms_steady'] / ora['ms_steady']:.2f}x "
         f"(noise +-{noise:.2f} ms/step)"
     ]
-    if gain <= max(noise, 0.02 * sta["ms_steady"]):
+    judged = gain > max(noise, 0.02 * sta["ms_steady"])
+    if not judged:
         out.append(
             "THE ORACLE SHOWS NO GAIN over static on this machine: placement does "
             "not matter here, and the speed targets below cannot be judged"
         )
+
+    def verdict(met: bool) -> str:
+        return ("MET" if met else "NOT MET") if judged else "NOT JUDGED (no gain)"
+
     ratio = reb["ms_steady"] / ora["ms_steady"]
     out.append(
         f"rebalanced steady state / oracle = {ratio:.2f} (target <= 1.10): "
-        + ("MET" if ratio <= 1.10 else "NOT MET")
+        + verdict(ratio <= 1.10)
     )
     share = (sta["ms_steady"] - reb["ms_steady"]) / gain if gain > 0 else 0.0
     out.append(
         f"rebalanced share of the oracle's gain = {share:.0%} (target >= 70%): "
-        + ("MET" if share >= 0.70 else "NOT MET")
+        + verdict(share >= 0.70)
     )
     if "control" in summary:
         n = len(summary["control"]["reshards"])

@@ -38,7 +38,9 @@ the moves. Compared per window, under the true load:
   whole shards beats (the mean rank, the costliest shard);
 * ``rebalanced``.
 
-Printed per case: decision time per window (median, max), the rebalanced
+Printed per case: decision time per window (median, max; the thread's CPU
+time, what the decision costs a rank, and the wall time, which on a shared
+machine also holds other processes' turns), the rebalanced
 and static slowest rank relative to the oracle at the end of each phase,
 windows from a shift until the rebalanced slowest rank is within 1.1x the
 oracle's, reshards, bytes per rank (busiest rank, per reshard), the
@@ -79,6 +81,7 @@ class Case:
     tables: int
     trace: str
     decision_ms: List[float] = field(default_factory=list)
+    decision_cpu_ms: List[float] = field(default_factory=list)
     rows: List[Dict[str, Any]] = field(default_factory=list)
     phase_end: List[Dict[str, float]] = field(default_factory=list)
     react: List[Optional[int]] = field(default_factory=list)
@@ -306,7 +309,7 @@ def run_case(w: int, t: int, trace: str, args: argparse.Namespace) -> Case:
         if reacted is None and truth["rebalanced"] <= 1.1 * truth["oracle"]:
             reacted = window - shift_at
         gc.collect()  # the oracle's garbage is not the decision's to collect
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         elements = rank_elements(placement.units, table_ids(stats, placement), w)
         slope = calibrate(stats.compute_seconds, elements, slope)
         proposal = None
@@ -316,6 +319,7 @@ def run_case(w: int, t: int, trace: str, args: argparse.Namespace) -> Case:
             )
         decided = time.perf_counter() - start
         case.decision_ms.append(1e3 * decided)
+        case.decision_cpu_ms.append(1e3 * (time.thread_time() - cpu))
         action = "keep"
         if proposal is not None and proposal.layouts:
             gain = proposal.prediction.gain
@@ -371,7 +375,8 @@ def fmt_phases(values: Sequence[float]) -> str:
 
 def table(cases: Sequence[Case]) -> str:
     head = (
-        f"{'W':>5} {'T':>5} {'trace':<9} {'decide ms':>10} {'max ms':>7} "
+        f"{'W':>5} {'T':>5} {'trace':<9} {'cpu ms':>7} {'max':>6} {'wall ms':>8} "
+        f"{'max':>6} "
         f"{'rebal/oracle':>15} {'static/oracle':>15} {'oracle/LB':>15} "
         f"{'react':>8} {'reshards':>8} {'MiB/rank':>9} {'pred err':>9} "
         f"{'plan ms':>8}"
@@ -386,7 +391,8 @@ def table(cases: Sequence[Case]) -> str:
         react = "/".join("-" if r is None else str(r) for r in c.react)
         lines.append(
             f"{c.world:>5} {c.tables:>5} {c.trace:<9} "
-            f"{statistics.median(c.decision_ms):>10.1f} {max(c.decision_ms):>7.1f} "
+            f"{statistics.median(c.decision_cpu_ms):>7.1f} {max(c.decision_cpu_ms):>6.1f} "
+            f"{statistics.median(c.decision_ms):>8.1f} {max(c.decision_ms):>6.1f} "
             f"{fmt_phases([p['rebalanced_x_oracle'] for p in c.phase_end]):>15} "
             f"{fmt_phases([p['static_x_oracle'] for p in c.phase_end]):>15} "
             f"{fmt_phases([p['oracle_x_bound'] for p in c.phase_end]):>15} "
@@ -468,13 +474,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         c for c in cases if (c.world, c.tables) == (max(args.worlds), max(args.tables))
     ]
     if biggest:
-        worst = max(max(c.decision_ms) for c in biggest)
-        median = statistics.median(d for c in biggest for d in c.decision_ms)
-        print(
-            f"decision per window at {max(args.tables)} tables x {max(args.worlds)} "
-            f"ranks: median {median:.1f} ms, max {worst:.1f} ms (target <= 50 ms): "
-            + ("MET" if worst <= 50 else "NOT MET")
-        )
+        for what, key in (("CPU", "decision_cpu_ms"), ("wall", "decision_ms")):
+            values = [d for c in biggest for d in getattr(c, key)]
+            print(
+                f"decision per window at {max(args.tables)} tables x "
+                f"{max(args.worlds)} ranks, {what} time: median "
+                f"{statistics.median(values):.1f} ms, max {max(values):.1f} ms "
+                "(target <= 50 ms): " + ("MET" if max(values) <= 50 else "NOT MET")
+            )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".txt", "w") as f:
         f.write(text + "\n")
