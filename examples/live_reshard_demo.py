@@ -201,30 +201,42 @@ def make_plan(
     )
 
 
-def make_planner(args: argparse.Namespace, shifted: bool) -> EmbeddingShardingPlanner:
-    """The planner for the declared load (see ``make_plan``)."""
+def make_topology(args: argparse.Namespace) -> Topology:
+    """The job's topology."""
+    return Topology(
+        world_size=dist.get_world_size(),
+        compute_device="cuda" if args.backend == "nccl" else "cpu",
+        local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
+    )
+
+
+def make_constraints(
+    args: argparse.Namespace, shifted: bool
+) -> Dict[str, ParameterConstraints]:
+    """The constraints of the declared load (see ``make_plan``)."""
     load = {f"t{i}": ("table_wise", 2.0) for i in range(args.num_tables)}
     if shifted:
         ids = shifted_ids(args)
         load.update(t0=("column_wise", ids["t0"]), t1=("table_column_wise", ids["t1"]))
         last = f"t{args.num_tables - 1}"
         load[last] = ("table_wise", ids[last])
+    return {
+        table: ParameterConstraints(
+            sharding_types=[kind],
+            compute_kernels=["fused"],
+            pooling_factors=[ids],
+            min_partition=args.dim // 2,
+        )
+        for table, (kind, ids) in load.items()
+    }
+
+
+def make_planner(args: argparse.Namespace, shifted: bool) -> EmbeddingShardingPlanner:
+    """The planner for the declared load (see ``make_plan``)."""
     return EmbeddingShardingPlanner(
-        topology=Topology(
-            world_size=dist.get_world_size(),
-            compute_device="cuda" if args.backend == "nccl" else "cpu",
-            local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]),
-        ),
+        topology=make_topology(args),
         batch_size=args.batch_size,
-        constraints={
-            table: ParameterConstraints(
-                sharding_types=[kind],
-                compute_kernels=["fused"],
-                pooling_factors=[ids],
-                min_partition=args.dim // 2,
-            )
-            for table, (kind, ids) in load.items()
-        },
+        constraints=make_constraints(args, shifted),
         stats=[],
         debug=False,
     )
@@ -411,10 +423,19 @@ def rebalance_demo(args: argparse.Namespace, device: torch.device) -> int:
     options = ReshardOptions(
         exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
     )
+    # A demo of the loop on tiny tables: the lookups are a sliver of a step,
+    # so any predicted gain counts (a real job keeps the default 10%).
     policy = RebalancePolicy(
-        window=2, min_gain=0.1, hysteresis=1, min_interval=2, horizon=10**4
+        window=2, min_gain=0.0, hysteresis=1, min_interval=2, horizon=10**4
     )
-    rebalancer = Rebalancer(model, planner, policy, options=options)
+    rebalancer = Rebalancer(
+        model,
+        make_topology(args),
+        policy,
+        batch_size=args.batch_size,
+        constraints=make_constraints(args, shifted=False),
+        options=options,
+    )
     say(f"phase 2/4 train with the Rebalancer ({policy})")
     stream = iter(batches)
     live = []

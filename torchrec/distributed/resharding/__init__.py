@@ -36,11 +36,9 @@ a running job.
 * ``elastic`` — a model onto another set of ranks (shrink, grow, any set);
 * ``unshard`` — a model unsharded onto one rank, or sharded from the one rank
   holding its weights;
-* ``load`` — the load a running model measures (ids per feature, time per
-  rank), ``replan`` — TorchRec's planner on the measured load and its cost
-  predictions, ``relabel`` — the candidate's ranks relabelled to keep the most
-  bytes in place, ``policy`` — when a reshard pays (pure), ``rebalancer`` —
-  the loop that measures, decides and reshards while the job trains.
+* ``rebalance`` — a running job that rebalances itself (a consumer of the
+  engine, its own package): the load it measures, the shards it moves, when
+  a move pays, and the loop that measures, decides and reshards.
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa
@@ -49,11 +47,6 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     MovedModel,
     MoveDryRun,
     MoveReport,
-)
-from torchrec.distributed.resharding.load import (  # noqa
-    LoadMonitor,
-    LoadStatistics,
-    TableLoad,
 )
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
@@ -66,18 +59,32 @@ from torchrec.distributed.resharding.plan import (  # noqa
     ReshardAbortedError,
     ReshardError,
 )
-from torchrec.distributed.resharding.policy import PolicyState, RebalancePolicy  # noqa
-from torchrec.distributed.resharding.rebalancer import (  # noqa
+from torchrec.distributed.resharding.rebalance.load import (  # noqa
+    LoadMonitor,
+    LoadStatistics,
+    TableLoad,
+)
+from torchrec.distributed.resharding.rebalance.policy import (  # noqa
+    PolicyState,
+    RebalancePolicy,
+)
+from torchrec.distributed.resharding.rebalance.rebalancer import (  # noqa
     RebalanceDecision,
-    RebalanceError,
     Rebalancer,
     ReshardOutcome,
 )
-from torchrec.distributed.resharding.relabel import relabel_plan, Relabelling  # noqa
-from torchrec.distributed.resharding.replan import (  # noqa
+from torchrec.distributed.resharding.rebalance.relabel import (  # noqa
+    relabel_plan,
+    Relabelling,
+)
+from torchrec.distributed.resharding.rebalance.replan import (  # noqa
+    full_replan,
     measured_constraints,
-    PlanCost,
-    predict_rank_costs,
+    ReplanRequest,
+)
+from torchrec.distributed.resharding.rebalance.search import (  # noqa
+    search_moves,
+    SearchResult,
 )
 from torchrec.distributed.resharding.runner import PhaseTimes  # noqa
 from torchrec.distributed.resharding.transaction import (  # noqa
@@ -114,16 +121,17 @@ __all__ = [
     "unshard_model",
     "LoadMonitor",
     "LoadStatistics",
-    "PlanCost",
     "PolicyState",
     "RebalanceDecision",
-    "RebalanceError",
     "RebalancePolicy",
     "Rebalancer",
     "Relabelling",
+    "ReplanRequest",
     "ReshardOutcome",
+    "SearchResult",
     "TableLoad",
+    "full_replan",
     "measured_constraints",
-    "predict_rank_costs",
     "relabel_plan",
+    "search_moves",
 ]

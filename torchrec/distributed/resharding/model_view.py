@@ -9,9 +9,10 @@
 
 """
 A ``DistributedModelParallel`` model as the moves between groups of ranks see
-it (``elastic``, ``unshard``): its sharded modules and their tables, its
-dense (replicated) part, its shards as slots, the unsharded definition it was
-built from, and building and releasing a model whose every byte is moved in.
+it (``elastic``, ``unshard``, ``rebalance``): its env and sharders, its
+sharded modules and their tables, its dense (replicated) part, its shards as
+slots, the unsharded definition it was built from, and building and releasing
+a model whose every byte is moved in.
 """
 
 import contextlib
@@ -56,6 +57,16 @@ def sharded_modules(root: nn.Module) -> Dict[str, nn.Module]:
 
     kinds = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
     return {p: m for p, m in root.named_modules() if isinstance(m, kinds)}
+
+
+def model_env(model: nn.Module) -> ShardingEnv:
+    """The sharding env (process group) of a ``DistributedModelParallel``."""
+    return model._env
+
+
+def model_sharders(model: nn.Module) -> List[Any]:
+    """The sharders a ``DistributedModelParallel`` was sharded with."""
+    return list(model._sharder_map.values())
 
 
 def plain_tables(module: nn.Module) -> List[TableShape]:

@@ -9,8 +9,9 @@
 
 """
 Test helpers for the rebalancer: a DLRM whose tables get a controlled load
-(ids per sample per table, changing at a given step), the planner that made
-its first plan, and the model with its optimizer.
+(ids per sample per table, changing at a given step), the topology and
+constraints of the planner that made its first plan, and the model with its
+optimizer.
 """
 
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -25,7 +26,12 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.test_utils.reshard_utils import make_plan
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ShardingEnv,
+    ShardingPlan,
+)
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -110,27 +116,42 @@ def rebalance_sharder() -> EmbeddingBagCollectionSharder:
     )
 
 
-def table_wise_planner(
-    world_size: int,
-    batch_size: int,
+def cpu_topology(world_size: int, ddr_cap: Optional[int] = None) -> Topology:
+    """One host of ``world_size`` CPU ranks (``ddr_cap`` bytes each)."""
+    if ddr_cap is None:
+        return Topology(
+            world_size=world_size, compute_device="cpu", local_world_size=world_size
+        )
+    return Topology(
+        world_size=world_size,
+        compute_device="cpu",
+        local_world_size=world_size,
+        ddr_cap=ddr_cap,
+    )
+
+
+def table_wise_constraints(
     pooling: Sequence[float],
-    topology: Optional[Topology] = None,
+) -> Dict[str, ParameterConstraints]:
+    """Table-wise fused tables ``t<i>`` with the declared ``pooling``."""
+    return {
+        f"t{i}": ParameterConstraints(
+            sharding_types=["table_wise"],
+            compute_kernels=["fused"],
+            pooling_factors=[float(p)],
+        )
+        for i, p in enumerate(pooling)
+    }
+
+
+def table_wise_planner(
+    world_size: int, batch_size: int, pooling: Sequence[float]
 ) -> EmbeddingShardingPlanner:
     """A planner for table-wise fused tables with the declared ``pooling``."""
     return EmbeddingShardingPlanner(
-        topology=topology
-        or Topology(
-            world_size=world_size, compute_device="cpu", local_world_size=world_size
-        ),
+        topology=cpu_topology(world_size),
         batch_size=batch_size,
-        constraints={
-            f"t{i}": ParameterConstraints(
-                sharding_types=["table_wise"],
-                compute_kernels=["fused"],
-                pooling_factors=[float(p)],
-            )
-            for i, p in enumerate(pooling)
-        },
+        constraints=table_wise_constraints(pooling),
         stats=[],
         debug=False,
     )
@@ -144,13 +165,26 @@ def planned(
     return planner.plan(meta, [rebalance_sharder()])
 
 
+def hand_plan(
+    specs: Dict[str, Tuple[str, object]],
+    num_tables: int,
+    rows: int,
+    dim: int,
+    world_size: int,
+) -> ShardingPlan:
+    """The DLRM's plan with each table sharded as ``specs`` says, fused."""
+    ebc = rebalance_dlrm(num_tables, rows, dim, torch.device("meta"))
+    module = ebc.model.sparse_arch.embedding_bag_collection
+    return ShardingPlan(
+        {EBC_PATH: make_plan(module, specs, world_size, world_size, "fused")}
+    )
+
+
 def tables_on(plan: ShardingPlan, rank: int) -> List[int]:
     """Indices of the table-wise tables the plan puts on ``rank``."""
-    return sorted(
-        int(t[1:])
-        for t, ps in plan.plan[EBC_PATH].items()  # pyre-ignore[16]
-        if ps.ranks == [rank]
-    )
+    shardings = plan.plan[EBC_PATH]
+    assert isinstance(shardings, EmbeddingModuleShardingPlan)
+    return sorted(int(t[1:]) for t, ps in shardings.items() if ps.ranks == [rank])
 
 
 def rebalance_model(
@@ -185,13 +219,14 @@ def decision_summary(decisions: Sequence[object]) -> List[Dict[str, object]]:
         "step",
         "action",
         "reason",
-        "current_cost",
-        "candidate_cost",
+        "source",
+        "kernel_seconds",
+        "predicted_kernel_seconds",
+        "predicted_step_seconds",
         "predicted_gain",
-        "bytes_raw",
-        "bytes_relabelled",
-        "max_rank_bytes",
         "tables",
+        "max_rank_bytes",
+        "bytes_moved",
     )
     summary = []
     for d in decisions:

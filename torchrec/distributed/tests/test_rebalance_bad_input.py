@@ -10,19 +10,22 @@
 """
 The Rebalancer's refusals that need a model (one rank, in this process): a
 move budget below the smallest shard of the model, a topology of another
-size, something else than a planner or a topology, a policy of another type.
+size, something else than a topology (a planner: its settings are given as
+arguments, never read from it), a policy of another type, a state factor
+below one.
 """
 
 import unittest
 
 import torch
 from torchrec.distributed.planner import Topology
-from torchrec.distributed.resharding.policy import RebalancePolicy
-from torchrec.distributed.resharding.rebalancer import Rebalancer
+from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
+from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
 from torchrec.distributed.test_utils.rebalance_utils import (
+    cpu_topology,
     planned,
     rebalance_model,
     table_wise_planner,
@@ -42,19 +45,22 @@ class RebalancerBadInputTest(unittest.TestCase):
                 env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
             )
             smallest = ROWS * DIM * 4
+            topology = cpu_topology(1)
             with self.assertRaisesRegex(ValueError, "below the smallest shard"):
                 Rebalancer(
-                    model, planner, RebalancePolicy(move_budget_bytes=smallest - 1)
+                    model, topology, RebalancePolicy(move_budget_bytes=smallest - 1)
                 )
             Rebalancer(
-                model, planner, RebalancePolicy(move_budget_bytes=smallest)
+                model, topology, RebalancePolicy(move_budget_bytes=smallest)
             ).close()
             with self.assertRaisesRegex(ValueError, "topology has 2 ranks"):
                 Rebalancer(model, Topology(world_size=2, compute_device="cpu"))
-            with self.assertRaisesRegex(ValueError, "EmbeddingShardingPlanner or a"):
-                Rebalancer(model, "planner")  # pyre-ignore[6]
+            with self.assertRaisesRegex(ValueError, "must be a planner Topology"):
+                Rebalancer(model, planner)  # pyre-ignore[6]
             with self.assertRaisesRegex(ValueError, "must be a RebalancePolicy"):
-                Rebalancer(model, planner, {"window": 5})  # pyre-ignore[6]
+                Rebalancer(model, topology, {"window": 5})  # pyre-ignore[6]
+            with self.assertRaisesRegex(ValueError, "state_factor must be >= 1"):
+                Rebalancer(model, topology, state_factor=0.5)
 
 
 if __name__ == "__main__":

@@ -10,16 +10,16 @@
 """
 The load monitor on a sharded DLRM (one rank, in this process): the ids and
 samples it counts per feature equal the sums of the batches' lengths; it
-times kernels, input dists and output dists; after a live reshard replaced
-the kernels its hooks follow the new ones; ``remove()`` leaves nothing
-behind.
+times kernels, input dists and output dists; values a rank attaches to the
+window come back in its place; after a live reshard replaced the kernels its
+hooks follow the new ones; ``remove()`` leaves nothing behind.
 """
 
 import unittest
 from typing import List
 
 import torch
-from torchrec.distributed.resharding.load import LoadMonitor
+from torchrec.distributed.resharding.rebalance.load import LoadMonitor
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
@@ -62,7 +62,8 @@ class LoadMonitorTest(unittest.TestCase):
             for batch in batches:
                 _train(model, optimizer, batch)
                 monitor.end_step()
-            stats = monitor.collect(pg)
+            stats = monitor.collect(pg, extra=(3.5, -1.0))
+            self.assertEqual(stats.extra, ((3.5, -1.0),))
             self.assertEqual(stats.steps, len(batches))
             for i in range(NUM_TABLES):
                 ids = sum(

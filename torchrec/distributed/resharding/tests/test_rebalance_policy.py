@@ -12,17 +12,23 @@ The rebalancing policy (pure): nonsense values are refused with a message
 naming each; the gain bar and the hysteresis; the move must pay over the
 horizon at the measured (or default) bandwidth and fit the budget; a
 reshard blocks evaluation for ``min_interval`` steps and a failure backs off
-exponentially.
+exponentially; a byte moved costs its move time over the horizon; a full
+replan starts only when allowed, none runs, splitting could reach the gain
+and no back-off holds it, and one that led nowhere backs off exponentially.
 """
 
 import unittest
 
-from torchrec.distributed.resharding.policy import (
+from torchrec.distributed.resharding.rebalance.policy import (
     after_failure,
+    after_replan,
+    after_replan_started,
     after_reshard,
     blocked_reason,
+    byte_price,
     DEFAULT_BANDWIDTH,
     judge_move,
+    may_replan,
     PolicyState,
     RebalancePolicy,
     screen,
@@ -100,6 +106,33 @@ class RebalancePolicyTest(unittest.TestCase):
         self.assertEqual(state.blocked_until, 300 + 50 * 4)
         state = after_reshard(policy, state, step=600)
         self.assertEqual(state.failures, 0)
+
+    def test_byte_price(self) -> None:
+        policy = RebalancePolicy(horizon=1000)
+        self.assertAlmostEqual(
+            byte_price(policy, PolicyState()), 1 / (DEFAULT_BANDWIDTH * 1000)
+        )
+        fast = with_bandwidth(PolicyState(), 4e9, 1.0)
+        self.assertAlmostEqual(byte_price(policy, fast), 1 / 4e12)
+
+    def test_full_replan_gate_and_backoff(self) -> None:
+        policy = RebalancePolicy(window=10, min_gain=0.1, min_interval=50, backoff=2)
+        state = PolicyState()
+        self.assertFalse(may_replan(policy, state, 0, gain_bound=0.05))
+        self.assertTrue(may_replan(policy, state, 0, gain_bound=0.2))
+        off = RebalancePolicy(full_replan=False)
+        self.assertFalse(may_replan(off, state, 0, gain_bound=0.9))
+        state = after_replan_started(state)
+        self.assertFalse(may_replan(policy, state, 10, gain_bound=0.9))
+        state = after_replan(policy, state, step=100, useful=False)
+        self.assertFalse(state.replan_pending)
+        self.assertEqual(state.replan_blocked_until, 100 + 50 * 2)
+        self.assertFalse(may_replan(policy, state, 199, gain_bound=0.9))
+        self.assertTrue(may_replan(policy, state, 200, gain_bound=0.9))
+        state = after_replan(policy, after_replan_started(state), 200, False)
+        self.assertEqual(state.replan_blocked_until, 200 + 50 * 4)
+        state = after_replan(policy, after_replan_started(state), 400, True)
+        self.assertEqual((state.replan_failures, state.replan_pending), (0, False))
 
 
 if __name__ == "__main__":

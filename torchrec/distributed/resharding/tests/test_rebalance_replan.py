@@ -9,41 +9,49 @@
 
 """
 Replanning from measured load (pure, one process): the all-reduced counters
-become per-table pooling factors and per-rank times; they replace the
-declared load in the user's constraints (the user's other settings stay);
-the planner's estimators rank a plan with the hot tables on one rank as more
-costly on that rank than the planner's candidate for the measured load; a
-planner without a feasible plan says so.
+become per-table pooling factors, per-rank times and the values each rank
+attached; they replace the declared load in the user's constraints (the
+user's other settings stay); TorchRec's planner, given the measured load,
+splits hot tables that share a rank (checked by counting each rank's
+elements from the shards' metadata); a candidate that keeps a layout keeps
+the current sharding object; a planner without a feasible plan says so; the
+background replanner hands over a result or an error, never blocks and runs
+one replan at a time.
 """
 
+import threading
+import time
 import unittest
-from typing import List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import ParameterConstraints, Topology
 from torchrec.distributed.planner.types import PlannerError
-from torchrec.distributed.resharding.load import (
+from torchrec.distributed.resharding.model import plan_delta
+from torchrec.distributed.resharding.rebalance.load import (
     feature_slots,
     LoadStatistics,
     RANK_FIELDS,
     statistics_from_vector,
 )
-from torchrec.distributed.resharding.replan import (
+from torchrec.distributed.resharding.rebalance.replan import (
     align_with_current,
-    changed_tables,
+    BackgroundReplanner,
+    full_replan,
     measured_constraints,
     needs_dense_rebuild,
-    plan_candidate,
-    predict_rank_costs,
+    ReplanRequest,
+    ReplanResult,
 )
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     data_parallel,
     table_wise,
 )
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -85,7 +93,11 @@ def _plan(ranks: Sequence[int]) -> ShardingPlan:
     )
 
 
-def _stats(ids_per_sample: Sequence[float], steps: int = 10) -> LoadStatistics:
+def _stats(
+    ids_per_sample: Sequence[float],
+    steps: int = 10,
+    extra: Sequence[Sequence[float]] = (),
+) -> LoadStatistics:
     """Counters as ``LoadMonitor`` packs them, summed over ``WORLD`` ranks."""
     module_tables = [(PATH, TABLES)]
     slots = feature_slots(module_tables)
@@ -95,16 +107,63 @@ def _stats(ids_per_sample: Sequence[float], steps: int = 10) -> LoadStatistics:
     for name in RANK_FIELDS:
         value = float(steps) if name == "steps" else 0.01 * steps
         vector += [value] * WORLD
-    return statistics_from_vector(vector, slots, module_tables, WORLD)
+    for values in extra:
+        vector += list(values)
+    num_extra = len(extra[0]) if extra else 0
+    return statistics_from_vector(vector, slots, module_tables, WORLD, num_extra)
 
 
 TOPOLOGY = Topology(world_size=WORLD, compute_device="cpu", local_world_size=WORLD)
 SHARDERS = [EmbeddingBagCollectionSharder()]
+SHAPES: Dict[str, List[Tuple[str, int, int]]] = {
+    PATH: [(t, ROWS, DIM) for t, _ in TABLES]
+}
+ELEMENT_BYTES: Dict[str, int] = {f"{PATH}:{t}": 4 for t, _ in TABLES}
+
+
+def _request(
+    stats: LoadStatistics, current: ShardingPlan, topology: Topology = TOPOLOGY
+) -> ReplanRequest:
+    return ReplanRequest(
+        step=10,
+        definition=_skeleton(),
+        sharders=SHARDERS,
+        topology=topology,
+        batch_size=BATCH,
+        constraints=measured_constraints(stats, current, BATCH),
+        current=current,
+        tables=SHAPES,
+        element_bytes=ELEMENT_BYTES,
+        device_type="cpu",
+    )
+
+
+def _rank_elements(plan: ShardingPlan, ids: Sequence[float]) -> List[float]:
+    """Per rank, ids x elements its shards read, from the shards' metadata."""
+    out = [0.0] * WORLD
+    shardings = plan.plan[PATH]
+    assert isinstance(shardings, EmbeddingModuleShardingPlan)
+    for t, ps in shardings.items():
+        spec = ps.sharding_spec
+        assert isinstance(spec, EnumerableShardingSpec)
+        for shard in spec.shards:
+            rows, cols = shard.shard_sizes
+            placement = shard.placement
+            assert placement is not None
+            out[placement.rank()] += ids[int(t[1:])] * rows / ROWS * cols
+    return out
+
+
+def _wait_ready(background: BackgroundReplanner, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not background.ready():
+        assert time.monotonic() < deadline, "the background replan never finished"
+        time.sleep(0.01)
 
 
 class ReplanTest(unittest.TestCase):
     def test_statistics_from_counters(self) -> None:
-        stats = _stats([1.0, 2.0, 30.0, 4.5], steps=10)
+        stats = _stats([1.0, 2.0, 30.0, 4.5], steps=10, extra=[(7.0, 0.0), (8.0, 1.0)])
         self.assertEqual(stats.steps, 10)
         t2 = stats.table(PATH, "t2")
         self.assertEqual(t2.pooling_factors, (30.0,))
@@ -112,8 +171,13 @@ class ReplanTest(unittest.TestCase):
         self.assertEqual(t2.ids_per_step, 30.0 * BATCH * WORLD)
         self.assertEqual(stats.compute_seconds, (0.01,) * WORLD)
         self.assertEqual(stats.imbalance, 1.0)
-        self.assertEqual(stats.digest(), _stats([1.0, 2.0, 30.0, 4.5]).digest())
+        self.assertEqual(stats.extra, ((7.0, 0.0), (8.0, 1.0)))
+        self.assertEqual(
+            stats.digest(),
+            _stats([1.0, 2.0, 30.0, 4.5], extra=[(7.0, 0.0), (8.0, 1.0)]).digest(),
+        )
         self.assertNotEqual(stats.digest(), _stats([1.0, 2.0, 30.0, 4.0]).digest())
+        self.assertEqual(_stats([1.0] * 4).extra, ())
 
     def test_ranks_with_different_step_counts_are_refused(self) -> None:
         module_tables = [(PATH, TABLES)]
@@ -144,45 +208,44 @@ class ReplanTest(unittest.TestCase):
         self.assertNotIn("data_parallel", out["t1"].sharding_types or [])
         self.assertIs(user["t0"].pooling_factors[0], 99.0)  # the user's untouched
 
-    def test_candidate_improves_predicted_costs(self) -> None:
-        stats = _stats([40.0, 1.0, 40.0, 1.0])  # the hot tables share rank 0
+    def test_full_replan_spreads_hot_tables(self) -> None:
+        ids = [40.0, 1.0, 40.0, 1.0]  # the hot tables share rank 0
         current = _plan([0, 1, 0, 1])
-        constraints = measured_constraints(stats, current, BATCH)
-        candidate = align_with_current(
-            current, plan_candidate(_skeleton(), SHARDERS, TOPOLOGY, BATCH, constraints)
-        )
-        now, then = predict_rank_costs(
-            [current, candidate], _skeleton(), SHARDERS, TOPOLOGY, BATCH, constraints
-        )
-        self.assertGreater(now.per_rank[0], 5 * now.per_rank[1])
-        self.assertLess(then.slowest, 0.7 * now.slowest)
-        self.assertLess(then.imbalance, now.imbalance)
-        self.assertTrue(changed_tables(current, candidate))
-        # a renamed plan costs the same, per rank renamed
-        swapped = predict_rank_costs(
-            [_plan([1, 0, 1, 0])], _skeleton(), SHARDERS, TOPOLOGY, BATCH, constraints
-        )[0]
-        self.assertEqual(swapped.per_rank, tuple(reversed(now.per_rank)))
+        candidate = full_replan(_request(_stats(ids), current))
+        before, after = _rank_elements(current, ids), _rank_elements(candidate, ids)
+        self.assertGreater(before[0], 5 * before[1])
+        self.assertLess(max(after), 0.7 * max(before))
+        self.assertTrue(plan_delta(current, candidate))
 
-    def test_equal_layout_is_no_change(self) -> None:
+    def test_kept_layout_keeps_the_current_sharding(self) -> None:
         current = _plan([0, 1, 0, 1])
-        again = _plan([0, 1, 0, 1])
+        again = _plan([0, 1, 1, 1])
+        aligned = align_with_current(current, again, SHAPES, WORLD)
+        self.assertEqual(list(plan_delta(current, aligned)[PATH]), ["t2"])
+        kept, new = aligned.plan[PATH], current.plan[PATH]
+        assert isinstance(kept, EmbeddingModuleShardingPlan)
+        assert isinstance(new, EmbeddingModuleShardingPlan)
+        for t in ("t0", "t1", "t3"):
+            self.assertIs(kept[t], new[t])
         self.assertEqual(
-            changed_tables(current, align_with_current(current, again)), []
+            plan_delta(
+                current, align_with_current(current, _plan([0, 1, 0, 1]), SHAPES, WORLD)
+            ),
+            {},
         )
 
     def test_no_feasible_plan(self) -> None:
         tiny = Topology(
             world_size=WORLD, compute_device="cpu", local_world_size=WORLD, ddr_cap=1024
         )
-        stats = _stats([1.0] * 4)
-        constraints = measured_constraints(stats, _plan([0, 1, 0, 1]), BATCH)
         with self.assertRaises(PlannerError):
-            plan_candidate(_skeleton(), SHARDERS, tiny, BATCH, constraints)
+            full_replan(_request(_stats([1.0] * 4), _plan([0, 1, 0, 1]), tiny))
 
     def test_dense_rebuild_named(self) -> None:
         current = _plan([0, 1, 0, 1])
-        module_plan = dict(current.plan[PATH])  # pyre-ignore[6]
+        shardings = current.plan[PATH]
+        assert isinstance(shardings, EmbeddingModuleShardingPlan)
+        changed = EmbeddingModuleShardingPlan(shardings)
         dp = construct_module_sharding_plan(
             _skeleton().sparse.ebc,
             per_param_sharding={
@@ -193,9 +256,60 @@ class ReplanTest(unittest.TestCase):
             world_size=WORLD,
             device_type="cpu",
         )
-        module_plan["t1"] = dp["t1"]
-        candidate = ShardingPlan({PATH: module_plan})  # pyre-ignore[6]
-        self.assertEqual(needs_dense_rebuild(current, candidate), [f"{PATH}/t1"])
+        changed["t1"] = dp["t1"]
+        candidate = ShardingPlan({PATH: changed})
+        self.assertEqual(needs_dense_rebuild(current, candidate), [f"{PATH}:t1"])
+
+
+class BackgroundReplannerTest(unittest.TestCase):
+    def _replanner(
+        self, release: threading.Event, outcome: Callable[[], ShardingPlan]
+    ) -> Callable[[ReplanRequest], ShardingPlan]:
+        def replan(request: ReplanRequest) -> ShardingPlan:
+            release.wait(30)
+            return outcome()
+
+        return replan
+
+    def test_result_is_picked_up_later(self) -> None:
+        release = threading.Event()
+        plan = _plan([1, 1, 0, 0])
+        background = BackgroundReplanner(self._replanner(release, lambda: plan))
+        request = _request(_stats([1.0] * 4), _plan([0, 1, 0, 1]))
+        background.start(request)  # returns at once
+        self.assertTrue(background.busy)
+        self.assertFalse(background.ready())
+        self.assertIsNone(background.take())
+        with self.assertRaisesRegex(RuntimeError, "runs already"):
+            background.start(request)
+        release.set()
+        _wait_ready(background)
+        self.assertTrue(background.busy)  # until its result is taken
+        result = background.take()
+        assert isinstance(result, ReplanResult)
+        self.assertIs(result.plan, plan)
+        self.assertIsNone(result.error)
+        self.assertEqual(result.step, 10)
+        self.assertFalse(background.busy)
+        self.assertIsNone(background.take())
+
+    def test_failure_is_reported_not_raised(self) -> None:
+        release = threading.Event()
+        release.set()
+
+        def fails() -> ShardingPlan:
+            raise PlannerError("no plan fits\nmore detail")
+
+        background = BackgroundReplanner(self._replanner(release, fails))
+        background.start(_request(_stats([1.0] * 4), _plan([0, 1, 0, 1])))
+        _wait_ready(background)
+        result = background.take()
+        assert result is not None
+        self.assertIsNone(result.plan)
+        self.assertEqual(result.error, "PlannerError: no plan fits")
+        # the slot is free again: the next replan may start
+        background.start(_request(_stats([1.0] * 4), _plan([0, 1, 0, 1])))
+        _wait_ready(background)
 
 
 if __name__ == "__main__":

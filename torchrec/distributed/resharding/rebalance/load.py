@@ -27,9 +27,10 @@ what each rank spends on its embeddings.
 Every ``window`` steps ``LoadMonitor.collect`` packs this rank's counters into
 one flat tensor and all-reduces it once; ``statistics_from_vector`` (pure)
 turns the sum into a ``LoadStatistics``: per table its mean pooling factor per
-feature and ids per step, per rank its measured times. After a live reshard
-replaced a module's kernels and dists, the hooks follow the new ones (the
-module's ``reshard_generation`` tells).
+feature and ids per step, per rank its measured times (and any values a
+caller attached to the window, which every rank then sees for every rank).
+After a live reshard replaced a module's kernels and dists, the hooks follow
+the new ones (the module's ``reshard_generation`` tells).
 """
 
 import hashlib
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.resharding.install import adapter_for
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # The per-rank figures of a window, in the order they are packed.
@@ -114,6 +116,8 @@ class LoadStatistics:
         reshard_bytes (Tuple[float, ...]): per rank, bytes sent + received by
             the reshards of the window.
         reshard_seconds (Tuple[float, ...]): per rank, their seconds.
+        extra (Tuple[Tuple[float, ...], ...]): per rank, the values it
+            attached to the window (``LoadMonitor.collect``'s ``extra``).
     """
 
     steps: int
@@ -124,6 +128,7 @@ class LoadStatistics:
     step_seconds: Tuple[float, ...]
     reshard_bytes: Tuple[float, ...] = ()
     reshard_seconds: Tuple[float, ...] = ()
+    extra: Tuple[Tuple[float, ...], ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -168,6 +173,8 @@ class LoadStatistics:
         for name in RANK_FIELDS[1:]:
             for value in getattr(self, name):
                 h.update(struct.pack("<d", value))
+        for values in self.extra:
+            h.update(struct.pack(f"<{len(values)}d", *values))
         return h.hexdigest()
 
 
@@ -199,16 +206,19 @@ def statistics_from_vector(
     slots: Sequence[FeatureSlot],
     module_tables: Sequence[Tuple[str, Sequence[Tuple[str, Sequence[str]]]]],
     world_size: int,
+    num_extra: int = 0,
 ) -> LoadStatistics:
     """
     Turns the all-reduced counters of a window into statistics (pure).
 
     Args:
-        vector (Sequence[float]): ids per slot, samples per slot, then each of
-            ``RANK_FIELDS`` per rank, as ``LoadMonitor`` packs them, summed.
+        vector (Sequence[float]): ids per slot, samples per slot, each of
+            ``RANK_FIELDS`` per rank, then ``num_extra`` values per rank, as
+            ``LoadMonitor`` packs them, summed.
         slots (Sequence[FeatureSlot]): the slots, as ``feature_slots`` gives.
         module_tables: per module path, its tables as (table, feature names).
         world_size (int): ranks.
+        num_extra (int): values each rank attached to the window.
 
     Returns:
         LoadStatistics: the window's statistics.
@@ -255,6 +265,15 @@ def statistics_from_vector(
     def per_step(name: str) -> Tuple[float, ...]:
         return tuple(v / max(steps, 1) for v in per_rank[name])
 
+    start = 2 * n + len(RANK_FIELDS) * world_size
+    extra = tuple(
+        tuple(
+            float(v)
+            for v in vector[start + r * num_extra : start + (r + 1) * num_extra]
+        )
+        for r in range(world_size)
+    )
+
     return LoadStatistics(
         steps=steps,
         tables=tuple(loads),
@@ -264,6 +283,7 @@ def statistics_from_vector(
         step_seconds=per_step("step_seconds"),
         reshard_bytes=per_rank["reshard_bytes"],
         reshard_seconds=per_rank["reshard_seconds"],
+        extra=extra if num_extra else (),
     )
 
 
@@ -280,10 +300,7 @@ def module_tables(
     Returns:
         List[Tuple[str, List[str]]]: (table, feature names) per table.
     """
-    configs = getattr(sharded, "_embedding_bag_configs", None)
-    if configs is None:
-        configs = getattr(sharded, "_embedding_configs")
-    return [(c.name, list(c.feature_names)) for c in configs]
+    return [(c.name, list(c.feature_names)) for c in adapter_for(sharded).configs()]
 
 
 def _kernels(lookup: nn.Module) -> List[nn.Module]:
@@ -317,7 +334,7 @@ class _ModuleMonitor:
         module: nn.Module,
         slot_index: Dict[Tuple[str, str], int],
         ids: torch.Tensor,
-        samples: torch.Tensor,
+        samples: List[float],
         timers: Dict[str, _Timer],
     ) -> None:
         self._path = path
@@ -388,6 +405,10 @@ class _ModuleMonitor:
             self._index_cache[keys] = index
         return index
 
+    def _host_slots(self, keys: Tuple[str, ...]) -> List[int]:
+        trash = self._ids.numel() - 1
+        return [self._slot_index.get((self._path, k), trash) for k in keys]
+
     def _pre_forward(
         self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]
     ) -> None:
@@ -398,7 +419,11 @@ class _ModuleMonitor:
             self.count(features)
 
     def count(self, features: KeyedJaggedTensor) -> None:
-        """Adds a local batch's ids and samples per feature to the counters."""
+        """
+        Adds a local batch's ids and samples per feature to the counters: the
+        ids summed on their device, the samples (the batch's strides, known
+        on the host) on the host, so no copy between them per forward.
+        """
         keys = tuple(features.keys())
         if not keys:
             return
@@ -409,13 +434,13 @@ class _ModuleMonitor:
             per_key = torch.stack([s.sum() for s in torch.split(lengths, strides)]).to(
                 self._ids
             )
-            samples = torch.tensor(strides, dtype=self._ids.dtype)
         else:
             stride = features.stride()
+            strides = [stride] * len(keys)
             per_key = lengths.view(len(keys), stride).sum(dim=1).to(self._ids)
-            samples = torch.full((len(keys),), float(stride), dtype=self._ids.dtype)
         self._ids.index_add_(0, index, per_key.to(self._ids.device))
-        self._samples.index_add_(0, index, samples.to(self._samples.device))
+        for slot, samples in zip(self._host_slots(keys), strides):
+            self._samples[slot] += float(samples)
 
     def remove(self) -> None:
         self._handle.remove()
@@ -457,7 +482,7 @@ class LoadMonitor:
         self._ids: torch.Tensor = torch.zeros(
             len(self.slots) + 1, dtype=torch.float64, device=device
         )
-        self._samples: torch.Tensor = torch.zeros_like(self._ids)
+        self._samples: List[float] = [0.0] * (len(self.slots) + 1)
         self._timers: Dict[str, _Timer] = {
             name: _Timer()
             for name in ("compute_seconds", "input_dist_seconds", "output_dist_seconds")
@@ -519,8 +544,13 @@ class LoadMonitor:
         self._reshard_bytes += float(bytes_moved)
         self._reshard_seconds += seconds
 
-    def local_vector(self, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's counters, packed as ``statistics_from_vector`` reads them."""
+    def local_vector(
+        self, rank: int, world_size: int, extra: Sequence[float] = ()
+    ) -> torch.Tensor:
+        """
+        This rank's counters, packed as ``statistics_from_vector`` reads them,
+        with ``extra`` in this rank's place of the extra values.
+        """
         n = len(self.slots)
         timed = self._timed_steps
         mean_step = self._step_seconds / timed if timed > 0 else 0.0
@@ -538,12 +568,25 @@ class LoadMonitor:
         )
         for i, name in enumerate(RANK_FIELDS):
             per_rank[i, rank] = values[name]
-        return torch.cat([self._ids[:n], self._samples[:n], per_rank.flatten()])
+        extras = torch.zeros(
+            world_size, len(extra), dtype=torch.float64, device=self._ids.device
+        )
+        if len(extra):
+            extras[rank] = torch.tensor(list(extra), dtype=torch.float64)
+        samples = torch.tensor(self._samples[:n], dtype=torch.float64)
+        return torch.cat(
+            [
+                self._ids[:n],
+                samples.to(self._ids.device),
+                per_rank.flatten(),
+                extras.flatten(),
+            ]
+        )
 
     def reset(self) -> None:
         """Starts a new window."""
         self._ids.zero_()
-        self._samples.zero_()
+        self._samples[:] = [0.0] * len(self._samples)  # shared with the monitors
         for timer in self._timers.values():
             timer.seconds = 0.0
         self._steps = 0
@@ -552,23 +595,36 @@ class LoadMonitor:
         self._reshard_bytes = 0.0
         self._reshard_seconds = 0.0
 
-    def collect(self, pg: dist.ProcessGroup) -> LoadStatistics:
+    def collect(
+        self, pg: dist.ProcessGroup, extra: Sequence[float] = ()
+    ) -> LoadStatistics:
         """
         The window's statistics over every rank: one all-reduce. Every rank of
-        ``pg`` calls it at the same step; the counters start a new window.
+        ``pg`` calls it at the same step, with as many ``extra`` values; the
+        counters start a new window.
 
         Args:
             pg (dist.ProcessGroup): the model's process group.
+            extra (Sequence[float]): values this rank attaches to the window
+                (every rank reads every rank's in ``LoadStatistics.extra``).
 
         Returns:
             LoadStatistics: identical on every rank.
+
+        Raises:
+            ValueError: when the ranks counted different numbers of steps
+                (on every rank: it is read from the reduced counters).
         """
         world_size = dist.get_world_size(pg)
-        vector = self.local_vector(dist.get_rank(pg), world_size)
+        vector = self.local_vector(dist.get_rank(pg), world_size, extra)
         dist.all_reduce(vector, group=pg)
         self.reset()
         return statistics_from_vector(
-            vector.cpu().tolist(), self.slots, self.module_tables, world_size
+            vector.cpu().tolist(),
+            self.slots,
+            self.module_tables,
+            world_size,
+            len(extra),
         )
 
     def remove(self) -> None:

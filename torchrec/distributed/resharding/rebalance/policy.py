@@ -12,10 +12,13 @@ Pure: when a rebalancing reshard pays.
 
 ``RebalancePolicy`` holds the user's knobs; ``PolicyState`` what the policy
 remembers between windows (streak of windows over the gain bar, last reshard,
-failures); ``screen`` decides from the predicted gain alone whether a candidate
-is worth a dry run, ``judge_move`` from the dry run's bytes whether the
-predicted saving over the horizon exceeds the predicted cost of the move.
-Every input is identical on every rank, so every rank decides the same.
+failures, the full replan in the background); ``screen`` decides from the
+predicted gain alone whether a candidate is worth a dry run, ``judge_move``
+from the dry run's bytes whether the predicted saving over the horizon
+exceeds the predicted cost of the move, ``byte_price`` what a byte moved
+costs per step (for the search), ``may_replan`` whether TorchRec's full
+planner may be started in the background. Every input is identical on every
+rank, so every rank decides the same.
 """
 
 from dataclasses import dataclass, replace
@@ -31,8 +34,8 @@ class RebalancePolicy:
 
     Args:
         window (int): steps per measurement window (one all-reduce each).
-        min_gain (float): the candidate must cut the slowest rank's predicted
-            embedding cost by at least this fraction (0.1: 10%).
+        min_gain (float): the candidate must cut the predicted step time by
+            at least this fraction (0.1: 10%).
         hysteresis (int): in this many consecutive windows.
         min_interval (int): steps from one reshard to the next evaluation.
         move_budget_bytes (Optional[int]): the most bytes any rank may send
@@ -42,7 +45,12 @@ class RebalancePolicy:
         default_bandwidth (float): bytes per second a move is assumed to run
             at before a reshard was measured (conservative).
         backoff (int): after a failed reshard, the next one waits
-            ``min_interval * backoff ** failures`` steps.
+            ``min_interval * backoff ** failures`` steps; after a full replan
+            that failed or found nothing worth it, the next one waits as long.
+        full_replan (bool): when the incremental search cannot reach
+            ``min_gain`` but splitting shards could, run TorchRec's full
+            planner in a background thread of one rank (never inside a step)
+            and consider its plan at a later window.
     """
 
     window: int = 50
@@ -53,6 +61,7 @@ class RebalancePolicy:
     horizon: int = 1000
     default_bandwidth: float = DEFAULT_BANDWIDTH
     backoff: int = 2
+    full_replan: bool = True
 
     def __post_init__(self) -> None:
         problems = []
@@ -95,6 +104,10 @@ class PolicyState:
         failures (int): failed reshards since the last one that went through.
         blocked_until (int): no evaluation before this step.
         bandwidth (Optional[float]): bytes/s measured on earlier reshards.
+        replan_pending (bool): a full replan runs in the background.
+        replan_failures (int): full replans in a row that failed or found
+            nothing worth a move.
+        replan_blocked_until (int): no full replan starts before this step.
     """
 
     streak: int = 0
@@ -102,6 +115,9 @@ class PolicyState:
     failures: int = 0
     blocked_until: int = 0
     bandwidth: Optional[float] = None
+    replan_pending: bool = False
+    replan_failures: int = 0
+    replan_blocked_until: int = 0
 
 
 def blocked_reason(
@@ -156,6 +172,12 @@ def move_seconds(
     """Predicted seconds of a move whose busiest rank sends + receives that much."""
     bandwidth = state.bandwidth or policy.default_bandwidth
     return max_rank_bytes / bandwidth
+
+
+def byte_price(policy: RebalancePolicy, state: PolicyState) -> float:
+    """Seconds per step one byte moved costs: its move time over the horizon."""
+    bandwidth = state.bandwidth or policy.default_bandwidth
+    return 1.0 / (bandwidth * policy.horizon)
 
 
 def judge_move(
@@ -227,3 +249,43 @@ def with_bandwidth(
     if max_rank_bytes <= 0 or seconds <= 0:
         return state
     return replace(state, bandwidth=max_rank_bytes / seconds)
+
+
+def may_replan(
+    policy: RebalancePolicy, state: PolicyState, step: int, gain_bound: float
+) -> bool:
+    """
+    Whether a full replan starts now: allowed, none pending, not backing off,
+    and splitting shards could reach ``min_gain`` (``gain_bound``, the gain
+    if every rank carried the mean load) where moving them cannot.
+    """
+    return (
+        policy.full_replan
+        and not state.replan_pending
+        and step >= state.replan_blocked_until
+        and gain_bound >= policy.min_gain
+    )
+
+
+def after_replan_started(state: PolicyState) -> PolicyState:
+    """The state once a full replan runs in the background."""
+    return replace(state, replan_pending=True)
+
+
+def after_replan(
+    policy: RebalancePolicy, state: PolicyState, step: int, useful: bool
+) -> PolicyState:
+    """
+    The state once a full replan's result was taken at ``step``: ``useful``
+    if it led to a reshard; otherwise (failed, stale, no gain) back off.
+    """
+    if useful:
+        return replace(state, replan_pending=False, replan_failures=0)
+    failures = state.replan_failures + 1
+    wait = max(policy.min_interval, policy.window) * policy.backoff**failures
+    return replace(
+        state,
+        replan_pending=False,
+        replan_failures=failures,
+        replan_blocked_until=step + wait,
+    )

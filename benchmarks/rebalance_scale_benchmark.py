@@ -1,0 +1,502 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Rebalancing at scale, by simulation (issue 27): no processes, the
+rebalancer's own pure parts driven by synthetic ``LoadStatistics``.
+
+For W ranks and T tables (fp32, 1e5-1e6 rows, dim 64 or 128, weights plus
+optimizer state 8 B per element; tables with few ranks each cut into
+column-wise shards so that there are a few shards per rank), a load trace
+drifts through three phases of ``--windows`` windows:
+
+* ``rotating``  Zipf-like pooling over the tables; at each phase the hot set
+  moves to other tables;
+* ``growing``   a handful of middling tables' pooling factor grows every
+  window (8x over the trace);
+* ``new-hot``   at each phase a table that was cold becomes the hottest.
+
+A window's "measured" statistics come from a reference model the rebalancer
+does not know: rank r's kernel seconds = ``fixed + slope x elements`` (times
+a 2% noise), the step = a placement-independent 20 ms + the slowest rank's
+kernel seconds. Every window the simulated job does what ``Rebalancer`` does
+on every rank: calibrate (``costs.calibrate``), search (``costs.propose``),
+screen and judge with the policy (bytes from the engine's ``bytes_per_rank``,
+the busiest rank's transfers planned by ``plan_rank_transfers``), and apply
+the moves. Compared per window, under the true load:
+
+* ``static``   the initial placement (balanced for the first phase's load);
+* ``oracle``   the best placement a strong search finds from scratch with no
+  regard for bytes (longest-processing-time first, then the same local
+  search without a byte price), next to the lower bound no placement of
+  whole shards beats (the mean rank, the costliest shard);
+* ``rebalanced``.
+
+Printed per case: decision time per window (median, max; the thread's CPU
+time, what the decision costs a rank, and the wall time, which on a shared
+machine also holds other processes' turns), the rebalanced
+and static slowest rank relative to the oracle at the end of each phase,
+windows from a shift until the rebalanced slowest rank is within 1.1x the
+oracle's, reshards, bytes per rank (busiest rank, per reshard), the
+predicted step time against the reference model's after each reshard, and
+the engine's per-rank planning time. ``benchmarks/results/`` keeps a table,
+a JSON file and a plot.
+
+    python benchmarks/rebalance_scale_benchmark.py            # every case
+    python benchmarks/rebalance_scale_benchmark.py --worlds 64 --tables 100
+"""
+
+import argparse
+import gc
+import heapq
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+PATH = "ebc"
+ELEMENT_BYTES = 8  # fp32 weights + one optimizer value per element
+LOCAL_BATCH = 512
+DENSE_S = 0.020
+FIXED_S = 0.0005
+SLOPE_S = 2.0e-10  # seconds per element read (reference model)
+NOISE = 0.02
+TRACES = ("rotating", "growing", "new-hot")
+
+
+@dataclass
+class Case:
+    world: int
+    tables: int
+    trace: str
+    decision_ms: List[float] = field(default_factory=list)
+    decision_cpu_ms: List[float] = field(default_factory=list)
+    rows: List[Dict[str, Any]] = field(default_factory=list)
+    phase_end: List[Dict[str, float]] = field(default_factory=list)
+    react: List[Optional[int]] = field(default_factory=list)
+    reshards: List[Dict[str, Any]] = field(default_factory=list)
+
+
+def make_tables(rng: random.Random, t: int, w: int) -> List[Any]:
+    """The tables, laid out as ``TableInfo`` with placeholder ranks."""
+    from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+    from torchrec.distributed.resharding.rebalance.placement import TableInfo
+
+    infos = []
+    for i in range(t):
+        rows, dim = rng.randint(100_000, 1_000_000), rng.choice([64, 128])
+        k = max(1, min(dim // 16, round(3 * w / t)))
+        k = 1 << (k.bit_length() - 1)  # a power of two dividing dim
+        width = dim // k
+        shards = tuple(
+            PlacedShard(0, Rect(0, j * width, rows, width)) for j in range(k)
+        )
+        kind = "table_wise" if k == 1 else "column_wise"
+        infos.append(
+            TableInfo(PATH, f"t{i:04d}", kind, TableLayout(rows, dim, shards), 8)
+        )
+    return infos
+
+
+def pooling(trace: str, t: int, window: int, per_phase: int, seed: int) -> List[float]:
+    """Mean ids per sample of each table at a window of the trace."""
+    phase = window // per_phase
+    rng = random.Random(seed)
+    order = list(range(t))
+    rng.shuffle(order)
+    base = [0.0] * t
+    for position, table in enumerate(order):
+        base[table] = 1.0 + 15.0 / (position + 1) ** 0.8
+    if trace == "rotating":
+        shift = phase * (t // 4)
+        return [base[(i + shift) % t] for i in range(t)]
+    if trace == "growing":  # tables of middling popularity
+        grown = order[t // 10 : t // 10 + max(1, t // 50)]
+        factor = 8.0 ** (window / max(3 * per_phase - 1, 1))
+        return [b * factor if i in grown else b for i, b in enumerate(base)]
+    hot = list(base)
+    coldest = sorted(range(t), key=lambda i: base[i])
+    for p in range(1, phase + 1):
+        hot[coldest[p - 1]] = 2.0 * max(base)
+    return hot
+
+
+def true_kernels(
+    placement: Any, ids: Sequence[float], noise: Optional[random.Random]
+) -> List[float]:
+    from torchrec.distributed.resharding.rebalance.costs import rank_elements
+
+    elements = rank_elements(placement.units, ids, placement.world_size)
+    out = []
+    for e in elements:
+        k = FIXED_S + SLOPE_S * e
+        out.append(k * (1.0 + NOISE * (2 * noise.random() - 1)) if noise else k)
+    return out
+
+
+def window_stats(placement: Any, ids: Sequence[float], noise: random.Random) -> Any:
+    from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
+
+    kernels = true_kernels(placement, ids, noise)
+    w = placement.world_size
+    step = DENSE_S + max(kernels)
+    return LoadStatistics(
+        steps=50,
+        tables=tuple(
+            TableLoad(
+                PATH, t.name, (t.name,), (n / (LOCAL_BATCH * w),), (LOCAL_BATCH,), n
+            )
+            for t, n in zip(placement.tables, ids)
+        ),
+        compute_seconds=tuple(kernels),
+        input_dist_seconds=(0.0,) * w,
+        output_dist_seconds=(0.0,) * w,
+        step_seconds=(step,) * w,
+    )
+
+
+def assign(placement: Any, ranks: Sequence[int]) -> Any:
+    """The placement with unit i on ``ranks[i]``."""
+    from torchrec.distributed.resharding.rebalance.placement import (
+        moved_layouts,
+        with_layouts,
+    )
+
+    moves = [(i, r) for i, r in enumerate(ranks) if r != placement.units[i].rank]
+    return with_layouts(placement, moved_layouts(placement, moves))
+
+
+def from_scratch(placement: Any, costs: Sequence[float]) -> Any:
+    """Longest processing time first, then the local search (bytes free)."""
+    from torchrec.distributed.resharding.rebalance.search import search_moves
+
+    w = placement.world_size
+    heap = [(0.0, r) for r in range(w)]
+    holders: Dict[int, set] = {}
+    ranks = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        table = placement.units[i].table
+        held = holders.setdefault(table, set())
+        skipped = []
+        load, r = heapq.heappop(heap)
+        while r in held:  # no two shards of a table on one rank
+            skipped.append((load, r))
+            load, r = heapq.heappop(heap)
+        ranks[i] = r
+        held.add(r)
+        heapq.heappush(heap, (load + costs[i], r))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    first = assign(placement, ranks)
+    loads = [0.0] * w
+    for u, c in zip(first.units, costs):
+        loads[u.rank] += c
+    result = search_moves(loads, first.units, costs, [float("inf")] * w, min_cut=0.0)
+    return apply_moves(first, result.moves)
+
+
+def apply_moves(placement: Any, moves: Sequence[Tuple[int, int]]) -> Any:
+    from torchrec.distributed.resharding.rebalance.placement import (
+        moved_layouts,
+        with_layouts,
+    )
+
+    return with_layouts(placement, moved_layouts(placement, moves))
+
+
+def bytes_and_planning(before: Any, layouts: Dict[str, Any]) -> Tuple[List[int], float]:
+    """
+    The engine's dry-run count of a move (bytes sent + received per rank)
+    and the seconds ``plan_rank_transfers`` takes for its busiest rank.
+    """
+    from torchrec.distributed.resharding.plan import (
+        bytes_per_rank,
+        PieceCost,
+        plan_rank_transfers,
+    )
+
+    old = {k: v for k, v in before.layouts().items() if k in layouts}
+    costs = {k: PieceCost(ELEMENT_BYTES) for k in layouts}
+    sent, received = bytes_per_rank(old, layouts, costs)
+    per_rank = [0] * before.world_size
+    for r, b in sent.items():
+        per_rank[r] += b
+    for r, b in received.items():
+        per_rank[r] += b
+    busiest = max(range(len(per_rank)), key=lambda r: per_rank[r])
+    start = time.perf_counter()
+    plan_rank_transfers(old, layouts, busiest)
+    return per_rank, time.perf_counter() - start
+
+
+def run_case(w: int, t: int, trace: str, args: argparse.Namespace) -> Case:
+    from torchrec.distributed.resharding.rebalance.costs import (
+        calibrate,
+        propose,
+        rank_elements,
+        table_ids,
+        unit_costs,
+    )
+    from torchrec.distributed.resharding.rebalance.placement import (
+        placement_from_tables,
+    )
+    from torchrec.distributed.resharding.rebalance.policy import (
+        after_reshard,
+        blocked_reason,
+        byte_price,
+        judge_move,
+        PolicyState,
+        RebalancePolicy,
+        screen,
+    )
+
+    rng = random.Random(args.seed * 1000 + w + t)
+    noise = random.Random(args.seed)
+    per_phase = args.windows
+    policy = RebalancePolicy(
+        window=50,
+        min_gain=0.05,
+        hysteresis=2,
+        min_interval=100,
+        horizon=10_000,
+        default_bandwidth=args.bandwidth,
+    )
+    state = PolicyState()
+    placement = placement_from_tables(make_tables(rng, t, w), w)
+    first_ids = [
+        p * LOCAL_BATCH * w for p in pooling(trace, t, 0, per_phase, args.seed)
+    ]
+    # the static plan: balanced for the first phase's load
+    static = from_scratch(placement, unit_costs(placement.units, first_ids, SLOPE_S))
+    placement = static
+    capacity = [float("inf")] * w
+    case = Case(w, t, trace)
+    slope: Optional[float] = None
+    pending: Optional[Dict[str, Any]] = None
+    shift_at = 0
+    reacted: Optional[int] = None
+    for window in range(3 * per_phase):
+        step = (window + 1) * policy.window
+        ids = [
+            p * LOCAL_BATCH * w for p in pooling(trace, t, window, per_phase, args.seed)
+        ]
+        costs = unit_costs(placement.units, ids, SLOPE_S)
+        oracle = from_scratch(placement, costs)
+        truth = {
+            name: max(true_kernels(p, ids, None))
+            for name, p in (("static", static), ("oracle", oracle))
+        }
+        stats = window_stats(placement, ids, noise)
+        truth["rebalanced"] = max(true_kernels(placement, ids, None))
+        bound = max(sum(costs) / w + FIXED_S, max(costs) + FIXED_S)
+        if pending is not None:
+            pending["measured_step_s"] = stats.step_time
+            case.reshards.append(pending)
+            pending = None
+        if window % per_phase == 0:
+            shift_at, reacted = window, None
+        if reacted is None and truth["rebalanced"] <= 1.1 * truth["oracle"]:
+            reacted = window - shift_at
+        gc.collect()  # the oracle's garbage is not the decision's to collect
+        start, cpu = time.perf_counter(), time.thread_time()
+        elements = rank_elements(placement.units, table_ids(stats, placement), w)
+        slope = calibrate(stats.compute_seconds, elements, slope)
+        proposal = None
+        if slope is not None and blocked_reason(policy, state, step) is None:
+            proposal = propose(
+                stats, placement, slope, capacity, byte_price(policy, state)
+            )
+        decided = time.perf_counter() - start
+        case.decision_ms.append(1e3 * decided)
+        case.decision_cpu_ms.append(1e3 * (time.thread_time() - cpu))
+        action = "keep"
+        if proposal is not None and proposal.layouts:
+            gain = proposal.prediction.gain
+            reason, state = screen(policy, state, gain)
+            if reason is None:
+                per_rank, planning = bytes_and_planning(placement, proposal.layouts)
+                reason, move_s = judge_move(
+                    policy, state, proposal.prediction.saving, max(per_rank)
+                )
+                if reason is None:
+                    action = "reshard"
+                    placement = apply_moves(placement, proposal.search.moves)
+                    state = after_reshard(policy, state, step)
+                    pending = {
+                        "window": window,
+                        "tables": len(proposal.layouts),
+                        "max_rank_mib": max(per_rank) / 2**20,
+                        "mean_rank_mib": sum(per_rank) / w / 2**20,
+                        "planning_ms": 1e3 * planning,
+                        "predicted_step_s": proposal.prediction.predicted_step,
+                        "model_step_s": DENSE_S
+                        + max(true_kernels(placement, ids, None)),
+                    }
+        case.rows.append(
+            {
+                "window": window,
+                "decision_ms": 1e3 * decided,
+                "static": truth["static"],
+                "oracle": truth["oracle"],
+                "rebalanced": truth["rebalanced"],
+                "bound": bound,
+                "action": action,
+            }
+        )
+        if window % per_phase == per_phase - 1:
+            case.react.append(reacted)
+            after = max(true_kernels(placement, ids, None))
+            case.phase_end.append(
+                {
+                    "rebalanced_x_oracle": after / truth["oracle"],
+                    "static_x_oracle": truth["static"] / truth["oracle"],
+                    "oracle_x_bound": truth["oracle"] / bound,
+                }
+            )
+    if pending is not None:
+        case.reshards.append(pending)
+    return case
+
+
+def fmt_phases(values: Sequence[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def table(cases: Sequence[Case]) -> str:
+    head = (
+        f"{'W':>5} {'T':>5} {'trace':<9} {'cpu ms':>7} {'max':>6} {'wall ms':>8} "
+        f"{'max':>6} "
+        f"{'rebal/oracle':>15} {'static/oracle':>15} {'oracle/LB':>15} "
+        f"{'react':>8} {'reshards':>8} {'MiB/rank':>9} {'pred err':>9} "
+        f"{'plan ms':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for c in cases:
+        moved = [r["max_rank_mib"] for r in c.reshards]
+        errors = [
+            abs(r["predicted_step_s"] / r["model_step_s"] - 1.0) for r in c.reshards
+        ]
+        planning = [r["planning_ms"] for r in c.reshards]
+        react = "/".join("-" if r is None else str(r) for r in c.react)
+        lines.append(
+            f"{c.world:>5} {c.tables:>5} {c.trace:<9} "
+            f"{statistics.median(c.decision_cpu_ms):>7.1f} {max(c.decision_cpu_ms):>6.1f} "
+            f"{statistics.median(c.decision_ms):>8.1f} {max(c.decision_ms):>6.1f} "
+            f"{fmt_phases([p['rebalanced_x_oracle'] for p in c.phase_end]):>15} "
+            f"{fmt_phases([p['static_x_oracle'] for p in c.phase_end]):>15} "
+            f"{fmt_phases([p['oracle_x_bound'] for p in c.phase_end]):>15} "
+            f"{react:>8} {len(c.reshards):>8} "
+            f"{(max(moved) if moved else 0.0):>9.0f} "
+            f"{(max(errors) if errors else 0.0):>8.1%} "
+            f"{(max(planning) if planning else 0.0):>8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(cases: Sequence[Case], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TRACES), figsize=(15, 4.5), sharey=True)
+    for ax, trace in zip(axes, TRACES):
+        for c in cases:
+            if c.trace != trace:
+                continue
+            x = [r["window"] for r in c.rows]
+            line = ax.plot(
+                x,
+                [r["rebalanced"] / r["oracle"] for r in c.rows],
+                label=f"W={c.world} T={c.tables}",
+            )[0]
+            ax.plot(
+                x,
+                [r["static"] / r["oracle"] for r in c.rows],
+                color=line.get_color(),
+                ls=":",
+                lw=0.8,
+            )
+        ax.axhline(1.1, color="black", lw=0.6, ls="--")
+        ax.set_title(f"{trace} (dotted: static)")
+        ax.set_xlabel("window")
+    axes[0].set_ylabel("slowest rank / oracle's")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--worlds", default="64,256,1024")
+    p.add_argument("--tables", default="100,1000")
+    p.add_argument("--traces", default=",".join(TRACES))
+    p.add_argument("--windows", type=int, default=8, help="windows per phase")
+    p.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(RESULTS, "rebalance_scale_benchmark"))
+    args = p.parse_args(argv)
+    args.worlds = [int(x) for x in args.worlds.split(",")]
+    args.tables = [int(x) for x in args.tables.split(",")]
+    args.traces = [x for x in args.traces.split(",") if x]
+    if set(args.traces) - set(TRACES):
+        p.error(f"--traces: one of {TRACES}")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    cases = []
+    for w in args.worlds:
+        for t in args.tables:
+            for trace in args.traces:
+                case = run_case(w, t, trace, args)
+                cases.append(case)
+                print(table([case]).splitlines()[-1], flush=True)
+    text = table(cases)
+    print()
+    print(text)
+    biggest = [
+        c for c in cases if (c.world, c.tables) == (max(args.worlds), max(args.tables))
+    ]
+    if biggest:
+        for what, key in (("CPU", "decision_cpu_ms"), ("wall", "decision_ms")):
+            values = [d for c in biggest for d in getattr(c, key)]
+            print(
+                f"decision per window at {max(args.tables)} tables x "
+                f"{max(args.worlds)} ranks, {what} time: median "
+                f"{statistics.median(values):.1f} ms, max {max(values):.1f} ms "
+                "(target <= 50 ms): " + ("MET" if max(values) <= 50 else "NOT MET")
+            )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".txt", "w") as f:
+        f.write(text + "\n")
+    with open(args.out + ".json", "w") as f:
+        json.dump(
+            {
+                "args": vars(args),
+                "cases": [c.__dict__ for c in cases],
+            },
+            f,
+            indent=1,
+        )
+    plot(cases, args.out + ".png")
+    print(f"saved {args.out}.txt, .json and .png")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

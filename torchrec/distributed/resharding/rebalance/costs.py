@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Pure: what a shard costs, calibrated from what the job measured, and the step
+time a move leaves.
+
+* Every shard reads ``ids x work`` elements per step (``placement``): the
+  table's ids per step (all-reduced) times the elements one id reads in the
+  shard. ``calibrate`` fits the seconds one element costs from the ranks'
+  measured kernel seconds (forward and backward with the fused update):
+  ``kernel seconds = fixed + slope x elements`` across ranks when their
+  elements differ enough to tell the slope, else through the origin. Only
+  the slope is used: a prediction moves shards' costs between ranks and
+  keeps each rank's own measured remainder, so the fixed part cancels.
+* ``predict_step``: the step takes its placement-independent part (measured
+  step time minus the slowest rank's measured kernel seconds) plus the
+  slowest rank's kernel seconds after the move (its measured seconds, less
+  the shards it gives, plus the shards it gets). No estimator of other
+  hardware takes part. A rank's measured remainder may be noise (a rank
+  slowed by a neighbour for a window): the saving is never taken above what
+  the calibrated costs alone give (the slope times the cut of the busiest
+  rank's elements), so noise on one rank does not pay for a move.
+* ``propose`` runs the incremental search on one window's statistics.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from torchrec.distributed.resharding.elastic_plan import table_key
+from torchrec.distributed.resharding.plan import TableLayout
+from torchrec.distributed.resharding.rebalance.load import LoadStatistics
+from torchrec.distributed.resharding.rebalance.placement import (
+    moved_layouts,
+    Placement,
+    ShardUnit,
+)
+from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
+
+# Ranks' elements must spread this much (relative to their mean) for a fit
+# with a fixed part; below it the slope goes through the origin.
+SPREAD_FOR_INTERCEPT: float = 0.2
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """
+    The step time before (measured) and after a move (predicted).
+
+    Args:
+        measured_step (float): seconds per step measured (slowest rank).
+        measured_kernels (Tuple[float, ...]): per rank, kernel seconds per
+            step measured.
+        predicted_kernels (Tuple[float, ...]): per rank, the same predicted
+            after the move.
+        modelled_saving (Optional[float]): seconds per step the calibrated
+            costs alone save (the slope times the cut of the busiest rank's
+            elements); the prediction never saves more.
+    """
+
+    measured_step: float
+    measured_kernels: Tuple[float, ...]
+    predicted_kernels: Tuple[float, ...]
+    modelled_saving: Optional[float] = None
+
+    @property
+    def fixed(self) -> float:
+        """The part of the step that does not depend on placement."""
+        return max(self.measured_step - max(self.measured_kernels, default=0.0), 0.0)
+
+    @property
+    def predicted_step(self) -> float:
+        step = self.fixed + max(self.predicted_kernels, default=0.0)
+        if self.modelled_saving is None:
+            return step
+        return max(step, self.measured_step - self.modelled_saving)
+
+    @property
+    def saving(self) -> float:
+        """Predicted seconds saved per step."""
+        return self.measured_step - self.predicted_step
+
+    @property
+    def gain(self) -> float:
+        """Predicted relative cut of the step time."""
+        if self.measured_step <= 0:
+            return 0.0
+        return self.saving / self.measured_step
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """
+    A window's candidate: new layouts for some tables, and what they predict.
+
+    Args:
+        layouts (Dict[str, TableLayout]): table key -> its new layout (only
+            tables that change).
+        prediction (StepPrediction): step time before and after.
+        search (Optional[SearchResult]): the incremental search's result,
+            None for a candidate from elsewhere (the full planner).
+    """
+
+    layouts: Dict[str, TableLayout]
+    prediction: StepPrediction
+    search: Optional[SearchResult] = None
+
+
+def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
+    """Per table of the placement, ids per step over all ranks (0 if unseen)."""
+    ids = {table_key(t.path, t.table): t.ids_per_step for t in stats.tables}
+    return [ids.get(t.key, 0.0) for t in placement.tables]
+
+
+def rank_elements(
+    units: Sequence[ShardUnit], ids: Sequence[float], world_size: int
+) -> List[float]:
+    """Per rank, elements its shards read per step."""
+    elements = [0.0] * world_size
+    for unit in units:
+        elements[unit.rank] += ids[unit.table] * unit.work
+    return elements
+
+
+def calibrate(
+    kernel_seconds: Sequence[float],
+    elements: Sequence[float],
+    prior: Optional[float] = None,
+) -> Optional[float]:
+    """
+    Seconds per element read, fitted over the ranks of one window.
+
+    Args:
+        kernel_seconds (Sequence[float]): per rank, measured kernel seconds
+            per step.
+        elements (Sequence[float]): per rank, elements read per step.
+        prior (Optional[float]): the slope to keep when this window cannot
+            tell one (nothing read, nothing measured).
+
+    Returns:
+        Optional[float]: the slope (never negative), or ``prior``.
+    """
+    n = len(elements)
+    total = sum(elements)
+    if n == 0 or total <= 0 or sum(kernel_seconds) <= 0:
+        return prior
+    mean_x = total / n
+    mean_y = sum(kernel_seconds) / n
+    spread = (max(elements) - min(elements)) / mean_x
+    if n >= 2 and spread >= SPREAD_FOR_INTERCEPT:
+        sxx = sum((x - mean_x) ** 2 for x in elements)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(elements, kernel_seconds))
+        slope = sxy / sxx
+        intercept = mean_y - slope * mean_x
+        # a fixed part between zero and the least loaded rank's seconds
+        # (rounding aside): the ranks' kernel seconds fit the model
+        if slope > 0 and -1e-12 <= intercept <= min(kernel_seconds) * (1 + 1e-9):
+            return slope
+    return mean_y / mean_x
+
+
+def unit_costs(
+    units: Sequence[ShardUnit], ids: Sequence[float], seconds_per_element: float
+) -> List[float]:
+    """Per unit, its kernel seconds per step."""
+    return [ids[u.table] * u.work * seconds_per_element for u in units]
+
+
+def predicted_kernels(
+    measured: Sequence[float],
+    before: Placement,
+    after: Placement,
+    ids: Sequence[float],
+    seconds_per_element: float,
+) -> Tuple[float, ...]:
+    """
+    Per rank, kernel seconds after a change of placement: the measured
+    seconds, less the modelled cost of the shards it held, plus that of the
+    shards it holds after (never below zero).
+    """
+    world_size = before.world_size
+    old = rank_elements(before.units, ids, world_size)
+    new = rank_elements(after.units, ids, world_size)
+    return tuple(
+        max(m + (n - o) * seconds_per_element, 0.0)
+        for m, o, n in zip(measured, old, new)
+    )
+
+
+def predict_step(
+    stats: LoadStatistics,
+    kernels_after: Sequence[float],
+    modelled_saving: Optional[float] = None,
+) -> StepPrediction:
+    """The step time of a window and the one predicted after a move."""
+    return StepPrediction(
+        measured_step=stats.step_time,
+        measured_kernels=tuple(stats.compute_seconds),
+        predicted_kernels=tuple(kernels_after),
+        modelled_saving=modelled_saving,
+    )
+
+
+def modelled_saving(
+    before: Sequence[float], after: Sequence[float], seconds_per_element: float
+) -> float:
+    """The cut of the busiest rank's elements (per rank, before and after), in seconds."""
+    return seconds_per_element * (max(before, default=0.0) - max(after, default=0.0))
+
+
+def propose(
+    stats: LoadStatistics,
+    placement: Placement,
+    seconds_per_element: float,
+    capacity: Sequence[float],
+    byte_price: float = 0.0,
+    move_budget: Optional[int] = None,
+) -> Proposal:
+    """
+    The incremental search on one window's statistics.
+
+    Args:
+        stats (LoadStatistics): the window (identical on every rank).
+        placement (Placement): the current placement.
+        seconds_per_element (float): the calibrated slope.
+        capacity (Sequence[float]): per rank, the most bytes of tables.
+        byte_price (float): seconds per step one byte moved costs.
+        move_budget (Optional[int]): the most bytes a rank may send plus
+            receive.
+
+    Returns:
+        Proposal: the moves' layouts and the predicted step time.
+    """
+    ids = table_ids(stats, placement)
+    costs = unit_costs(placement.units, ids, seconds_per_element)
+    result = search_moves(
+        stats.compute_seconds,
+        placement.units,
+        costs,
+        capacity,
+        byte_price=byte_price,
+        move_budget=move_budget,
+    )
+    before = rank_elements(placement.units, ids, placement.world_size)
+    after = list(before)
+    for index, rank in result.moves:
+        unit = placement.units[index]
+        after[unit.rank] -= ids[unit.table] * unit.work
+        after[rank] += ids[unit.table] * unit.work
+    saving = modelled_saving(before, after, seconds_per_element)
+    return Proposal(
+        layouts=moved_layouts(placement, result.moves),
+        prediction=predict_step(stats, result.loads, saving),
+        search=result,
+    )

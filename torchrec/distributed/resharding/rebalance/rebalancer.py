@@ -1,0 +1,774 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+A running job that rebalances itself: ``Rebalancer`` measures the load of a
+``DistributedModelParallel`` model (``load.LoadMonitor``), searches for shard
+moves that cut the slowest rank (``search``, every window, on every rank),
+predicts the step time they leave from what it measured (``costs``) and
+reshards live when the policy says the saving pays for the move
+(``policy``)::
+
+    rebalancer = Rebalancer(model, topology, RebalancePolicy(window=50))
+    for batch in ...:
+        pipeline.progress(it)     # or a plain training step
+        rebalancer.step()         # every rank, once per step
+
+Every ``window`` steps (and only then) the ranks all-reduce their counters
+once; with them each rank posts a digest of what it decides from (the plan,
+the policy's state, the settings), so that every rank sees whether they all
+decide from the same. Every rank then runs the same deterministic search on
+the same statistics and reaches the same candidate: no plan is broadcast.
+When moving whole shards cannot reach the policy's gain but splitting them
+could, group rank 0 starts TorchRec's full planner in a background thread;
+a later window's all-reduce says its result is ready, and the ranks agree on
+it through the engine's agreement before they consider it. A reshard that
+fails or aborts leaves the model on its old plan and backs the policy off;
+nothing else in the model changes. ``history`` keeps every decision and
+``outcomes`` every reshard's predicted against its measured step time.
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.planner import Topology
+from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.resharding.agreement import agree_among_ranks
+from torchrec.distributed.resharding.elastic_plan import table_key, TableShape
+from torchrec.distributed.resharding.install import adapter_for
+from torchrec.distributed.resharding.model import dry_run, DryRunReport, plan_delta
+from torchrec.distributed.resharding.model_view import (
+    model_env,
+    model_sharders,
+    sharded_tables,
+)
+from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.plan import (
+    ReshardAbortedError,
+    ReshardError,
+    sharding_plan_text,
+    text_digest,
+)
+from torchrec.distributed.resharding.rebalance.costs import (
+    calibrate,
+    modelled_saving,
+    predict_step,
+    predicted_kernels,
+    propose,
+    rank_elements,
+    StepPrediction,
+    table_ids,
+)
+from torchrec.distributed.resharding.rebalance.load import LoadMonitor, LoadStatistics
+from torchrec.distributed.resharding.rebalance.placement import (
+    device_for_rank,
+    module_plan,
+    Placement,
+    placement_of,
+    plan_with_layouts,
+)
+from torchrec.distributed.resharding.rebalance.policy import (
+    after_failure,
+    after_replan,
+    after_replan_started,
+    after_reshard,
+    blocked_reason,
+    byte_price,
+    judge_move,
+    may_replan,
+    PolicyState,
+    RebalancePolicy,
+    screen,
+    with_bandwidth,
+)
+from torchrec.distributed.resharding.rebalance.replan import (
+    BackgroundReplanner,
+    full_replan,
+    measured_constraints,
+    needs_dense_rebuild,
+    planning_definition,
+    Replanner,
+    ReplanRequest,
+)
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ModuleShardingPlan,
+    ParameterSharding,
+    ShardingPlan,
+)
+from torchrec.modules.embedding_configs import data_type_to_dtype
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+Delta = Dict[str, Dict[str, ParameterSharding]]
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """
+    One window's decision, identical on every rank (but ``search_seconds``).
+
+    Args:
+        step (int): the step count at the end of the window.
+        action (str): ``"reshard"``, ``"keep"`` or ``"failed"``.
+        reason (str): why.
+        source (str): where the candidate came from: ``"search"`` (the
+            incremental search), ``"full replan"`` or ``""`` (none).
+        imbalance (float): measured: the slowest rank's embedding seconds
+            over the mean.
+        kernel_seconds (Tuple[float, ...]): measured kernel seconds per rank
+            and step.
+        step_seconds (float): measured step time of the window.
+        predicted_kernel_seconds (Tuple[float, ...]): per rank, predicted
+            under the candidate.
+        predicted_step_seconds (Optional[float]): predicted step time under
+            the candidate.
+        predicted_gain (float): predicted relative cut of the step time.
+        saving_per_step (float): predicted seconds saved per step.
+        tables (Tuple[str, ...]): tables the candidate changes.
+        max_rank_bytes (Optional[int]): the dry run's busiest rank's bytes
+            (sent + received).
+        bytes_moved (Optional[int]): the dry run's bytes sent, all ranks.
+        move_seconds (Optional[float]): the move's predicted seconds.
+        search_seconds (float): this rank's seconds to reach the candidate.
+        plan (Optional[ShardingPlan]): the plan resharded to.
+        reshard_seconds (Optional[float]): the reshard's seconds (this rank).
+    """
+
+    step: int
+    action: str
+    reason: str
+    source: str = ""
+    imbalance: float = 1.0
+    kernel_seconds: Tuple[float, ...] = ()
+    step_seconds: float = 0.0
+    predicted_kernel_seconds: Tuple[float, ...] = ()
+    predicted_step_seconds: Optional[float] = None
+    predicted_gain: float = 0.0
+    saving_per_step: float = 0.0
+    tables: Tuple[str, ...] = ()
+    max_rank_bytes: Optional[int] = None
+    bytes_moved: Optional[int] = None
+    move_seconds: Optional[float] = None
+    search_seconds: float = field(default=0.0, compare=False)
+    plan: Optional[ShardingPlan] = field(default=None, compare=False, repr=False)
+    reshard_seconds: Optional[float] = field(default=None, compare=False)
+
+    def line(self) -> str:
+        """The decision as one log line."""
+        parts = [f"step {self.step}: {self.action.upper()} ({self.reason})"]
+        if self.kernel_seconds:
+            parts += [
+                f"measured imbalance {self.imbalance:.2f}",
+                "kernel ms/step per rank "
+                + "/".join(f"{1e3 * s:.1f}" for s in self.kernel_seconds),
+                f"step {self.step_seconds * 1e3:.1f} ms",
+            ]
+        if self.predicted_step_seconds is not None:
+            parts.append(
+                f"{self.source}: predicted step {self.predicted_step_seconds * 1e3:.1f}"
+                f" ms (gain {self.predicted_gain:.1%}), slowest rank "
+                f"{1e3 * max(self.predicted_kernel_seconds, default=0.0):.1f} ms, "
+                f"decided in {self.search_seconds * 1e3:.1f} ms"
+            )
+        if self.max_rank_bytes is not None:
+            parts.append(
+                f"moves {self.bytes_moved} B (busiest rank {self.max_rank_bytes} B)"
+            )
+        if self.move_seconds is not None:
+            parts.append(f"move ~{self.move_seconds:.3f} s")
+        if self.tables:
+            shown = ", ".join(self.tables[:8])
+            more = len(self.tables) - 8
+            parts.append(f"tables {shown}" + (f" (+{more})" if more > 0 else ""))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ReshardOutcome:
+    """
+    A reshard's prediction against the step time measured after it.
+
+    Args:
+        step (int): the reshard's step.
+        step_seconds_before (float): measured in the window before it.
+        predicted_step_seconds (float): predicted for after it.
+        measured_step_seconds (float): measured in the first window after it.
+    """
+
+    step: int
+    step_seconds_before: float
+    predicted_step_seconds: float
+    measured_step_seconds: float
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        if self.measured_step_seconds <= 0:
+            return 0.0
+        return self.predicted_step_seconds / self.measured_step_seconds - 1.0
+
+
+@dataclass(frozen=True)
+class _ModelView:
+    """What the rebalancer reads of the model's plan (once per plan)."""
+
+    plan: ShardingPlan
+    tables: Dict[str, List[TableShape]]
+    itemsize: Dict[str, int]
+    element_bytes: Dict[str, int]
+    placement: Placement
+    digest: int
+
+
+def plan_with_delta(plan: ShardingPlan, delta: Delta) -> ShardingPlan:
+    """A new plan: ``plan`` with the shardings of ``delta`` (module path -> table)."""
+    modules: Dict[str, ModuleShardingPlan] = {}
+    for path in plan.plan:
+        shardings = EmbeddingModuleShardingPlan(module_plan(plan, path))
+        shardings.update(delta.get(path, {}))
+        modules[path] = shardings
+    return ShardingPlan(modules)
+
+
+def _first_post(facts: List[Any]) -> Any:
+    """The agreement's merge: group rank 0's facts."""
+    return facts[0]
+
+
+def _measured_batch_size(stats: LoadStatistics) -> int:
+    sizes = [s for load in stats.tables for s in load.samples_per_rank_step]
+    return max(1, round(max(sizes, default=1.0)))
+
+
+def _max_rank_bytes(report: DryRunReport) -> int:
+    ranks = set(report.bytes_sent) | set(report.bytes_received)
+    return max(
+        (report.bytes_sent.get(r, 0) + report.bytes_received.get(r, 0) for r in ranks),
+        default=0,
+    )
+
+
+class Rebalancer:
+    """
+    Rebalances a ``DistributedModelParallel`` model from its measured load.
+    Call ``step()`` once per training step on every rank, between steps (after
+    ``pipeline.progress(...)`` or after a plain loop's optimizer step).
+
+    Args:
+        model (DistributedModelParallel): the sharded model.
+        topology (Topology): the job's topology (each rank's memory bounds the
+            moves; the full planner plans on it).
+        policy (Optional[RebalancePolicy]): when to reshard.
+        batch_size (Optional[int]): samples per rank and step, for the full
+            planner (default: measured).
+        constraints (Optional[Mapping[str, ParameterConstraints]]): the user's
+            constraints for the full planner; measured load replaces their
+            pooling figures.
+        sharders (Optional[Sequence[ModuleSharder[nn.Module]]]): for the full
+            planner (default: the model's).
+        options (Optional[ReshardOptions]): how reshards (and dry runs) run.
+        rebuild_optimizer (Optional[Callable[[nn.Module], None]]): called with
+            the model after a reshard that rebuilt dense or data-parallel
+            tables; without it such candidates are refused.
+        keep_kernels (bool): tables without kernel constraints keep theirs.
+        allow_data_parallel (bool): tables without sharding-type constraints
+            may become data-parallel.
+        state_factor (float): bytes a rank holds per byte of a table's
+            weights (weights and optimizer state), for its memory.
+        replanner (Optional[Replanner]): the full replan run in the background
+            (default: ``replan.full_replan``, TorchRec's planner).
+
+    Raises:
+        ValueError: for a bad policy or budget, a topology of another size.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        topology: Topology,
+        policy: Optional[RebalancePolicy] = None,
+        batch_size: Optional[int] = None,
+        constraints: Optional[Mapping[str, ParameterConstraints]] = None,
+        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
+        options: Optional[ReshardOptions] = None,
+        rebuild_optimizer: Optional[Callable[[nn.Module], None]] = None,
+        keep_kernels: bool = True,
+        allow_data_parallel: bool = False,
+        state_factor: float = 2.0,
+        replanner: Optional[Replanner] = None,
+    ) -> None:
+        if not hasattr(model, "plan") or not hasattr(model, "reshard"):
+            raise ValueError("Rebalancer needs a DistributedModelParallel model")
+        policy = policy if policy is not None else RebalancePolicy()
+        if not isinstance(policy, RebalancePolicy):
+            raise ValueError(f"policy must be a RebalancePolicy, got {type(policy)}")
+        if not isinstance(topology, Topology):
+            raise ValueError(
+                f"topology must be a planner Topology, got {type(topology).__name__}"
+            )
+        if not state_factor >= 1.0:
+            raise ValueError(f"state_factor must be >= 1, got {state_factor!r}")
+        self._pg: dist.ProcessGroup = model_env(model).process_group
+        self._rank: int = dist.get_rank(self._pg)
+        self._world_size: int = dist.get_world_size(self._pg)
+        if topology.world_size != self._world_size:
+            raise ValueError(
+                f"the topology has {topology.world_size} ranks, the model's "
+                f"process group {self._world_size}"
+            )
+        self.policy: RebalancePolicy = policy
+        self._model = model
+        self._topology = topology
+        self._batch_size = batch_size
+        self._constraints: Dict[str, ParameterConstraints] = dict(constraints or {})
+        self._sharders: List[ModuleSharder[nn.Module]] = list(
+            sharders if sharders is not None else model_sharders(model)
+        )
+        self._options = options
+        self._rebuild_optimizer = rebuild_optimizer
+        self._keep_kernels = keep_kernels
+        self._allow_data_parallel = allow_data_parallel
+        self._state_factor = state_factor
+        self._settings: str = repr((policy, state_factor, keep_kernels))
+        self._capacity: List[float] = [
+            float(d.storage.hbm if topology.compute_device == "cuda" else d.storage.ddr)
+            for d in topology.devices
+        ]
+        self._global_ranks: List[int] = dist.get_process_group_ranks(self._pg)
+        self._view: _ModelView = self._read_model()
+        _check_budget(policy, self._view)
+        self._monitor: LoadMonitor = LoadMonitor.for_model(model)
+        self._background = BackgroundReplanner(replanner or full_replan)
+        self._replan_digest: int = 0
+        self._state: PolicyState = PolicyState()
+        self._seconds_per_element: Optional[float] = None
+        self._step: int = 0
+        self._pending: Optional[RebalanceDecision] = None
+        self.history: List[RebalanceDecision] = []
+        self.outcomes: List[ReshardOutcome] = []
+
+    @property
+    def state(self) -> PolicyState:
+        return self._state
+
+    @property
+    def monitor(self) -> LoadMonitor:
+        return self._monitor
+
+    @property
+    def replan_ready(self) -> bool:
+        """This rank's full replan has finished; the next window takes it."""
+        return self._background.ready()
+
+    def close(self) -> None:
+        """Removes the monitor's hooks; ``step()`` must not be called after."""
+        self._monitor.remove()
+
+    def step(self) -> Optional[RebalanceDecision]:
+        """
+        Ends a training step; at the end of a window, measures, decides and
+        maybe reshards. Every rank calls it after the same step.
+
+        Returns:
+            Optional[RebalanceDecision]: the window's decision, else None.
+        """
+        self._monitor.end_step()
+        self._step += 1
+        if self._step % self.policy.window:
+            return None
+        try:
+            decision = self._window()
+        finally:
+            self._monitor.pause()  # the next step starts after this work
+        self.history.append(decision)
+        if self._rank == 0:
+            logger.info("rebalance %s", decision.line())
+        return decision
+
+    def history_table(self) -> str:
+        """Every decision so far, one line each."""
+        return "\n".join(d.line() for d in self.history)
+
+    def _read_model(self) -> _ModelView:
+        """The model's tables and placement under its current plan."""
+        model = self._model
+        plan: ShardingPlan = model.plan
+        tables: Dict[str, List[TableShape]] = {}
+        itemsize: Dict[str, int] = {}
+        for path in sorted(plan.plan):
+            module = model.module.get_submodule(path) if path else model.module
+            tables[path] = sharded_tables(module)
+            for c in adapter_for(module).configs():
+                dtype = data_type_to_dtype(c.data_type)
+                itemsize[table_key(path, c.name)] = dtype.itemsize
+        element_bytes = {
+            k: int(round(v * self._state_factor)) for k, v in itemsize.items()
+        }
+        placement = placement_of(plan, tables, element_bytes, self._world_size)
+        digest = text_digest(sharding_plan_text(plan))
+        return _ModelView(plan, tables, itemsize, element_bytes, placement, digest)
+
+    def _current_view(self) -> _ModelView:
+        if self._view.plan is not self._model.plan:  # resharded since
+            self._view = self._read_model()
+        return self._view
+
+    def _state_digest(self, view: _ModelView) -> float:
+        """What this rank decides from, as a float the all-reduce keeps exact."""
+        text = f"{view.digest}|{self._state}|{self._seconds_per_element!r}"
+        return float(text_digest(text + "|" + self._settings) >> 11)
+
+    def _device_of(self, rank: int) -> str:
+        return device_for_rank(
+            self._model.device.type, rank, self._topology.local_world_size
+        )
+
+    def _window(self) -> RebalanceDecision:
+        view = self._current_view()
+        ready = self._rank == 0 and self._background.ready()
+        extra = (self._state_digest(view), 1.0 if ready else 0.0)
+        try:
+            stats = self._monitor.collect(self._pg, extra)
+        except ValueError as e:  # read from the reduced counters: every rank
+            return self._disagreement(f"the ranks' load statistics differ: {e}")
+        self._state = with_bandwidth(
+            self._state, max(stats.reshard_bytes), max(stats.reshard_seconds)
+        )
+        self._note_outcome(stats)
+        decision = RebalanceDecision(
+            step=self._step,
+            action="keep",
+            reason="",
+            imbalance=stats.imbalance,
+            kernel_seconds=stats.compute_seconds,
+            step_seconds=stats.step_time,
+        )
+        if len({values[0] for values in stats.extra}) > 1:
+            return self._disagreement(
+                "the ranks decide from different plans, policy states or settings",
+                decision,
+            )
+        ids = table_ids(stats, view.placement)
+        elements = rank_elements(view.placement.units, ids, self._world_size)
+        slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
+        self._seconds_per_element = slope
+        if stats.extra[0][1] > 0:  # group rank 0's full replan is ready
+            return self._take_replan(stats, view, ids, slope, decision)
+        blocked = blocked_reason(self.policy, self._state, self._step)
+        if blocked is not None:
+            return replace(decision, reason=blocked)
+        if slope is None:
+            return replace(decision, reason="no kernel time measured yet")
+        return self._search(stats, view, slope, decision)
+
+    def _disagreement(
+        self, why: str, decision: Optional[RebalanceDecision] = None
+    ) -> RebalanceDecision:
+        self._state = after_failure(self.policy, self._state, self._step)
+        reason = (
+            f"{why}: training goes on with the current plan; backing off until "
+            f"step {self._state.blocked_until}"
+        )
+        logger.warning("rebalance step %d: %s", self._step, reason)
+        base = decision or RebalanceDecision(step=self._step, action="keep", reason="")
+        return replace(base, reason=reason)
+
+    def _search(
+        self,
+        stats: LoadStatistics,
+        view: _ModelView,
+        slope: float,
+        decision: RebalanceDecision,
+    ) -> RebalanceDecision:
+        start = time.perf_counter()
+        proposal = propose(
+            stats,
+            view.placement,
+            slope,
+            self._capacity,
+            byte_price(self.policy, self._state),
+            self.policy.move_budget_bytes,
+        )
+        prediction = proposal.prediction
+        decision = self._with_prediction(decision, prediction, "search")
+        decision = replace(
+            decision,
+            tables=tuple(sorted(proposal.layouts)),
+            search_seconds=time.perf_counter() - start,
+        )
+        search = proposal.search
+        assert search is not None
+        if not proposal.layouts or prediction.gain < self.policy.min_gain:
+            self._state = replace(self._state, streak=0)
+            bound = StepPrediction(
+                prediction.measured_step,
+                prediction.measured_kernels,
+                (search.mean_load,),
+            ).gain
+            reason = (
+                "no move of whole shards cuts the slowest rank"
+                if not proposal.layouts
+                else f"predicted gain {prediction.gain:.1%} below min_gain "
+                f"{self.policy.min_gain:.1%}"
+            )
+            return replace(decision, reason=reason + self._maybe_replan(stats, bound))
+        reason, self._state = screen(self.policy, self._state, prediction.gain)
+        if reason is not None:
+            return replace(decision, reason=reason)
+        candidate = plan_with_layouts(
+            view.plan, view.placement, proposal.layouts, self._device_of
+        )
+        return self._try_reshard(candidate, prediction, decision)
+
+    def _with_prediction(
+        self, decision: RebalanceDecision, prediction: StepPrediction, source: str
+    ) -> RebalanceDecision:
+        return replace(
+            decision,
+            source=source,
+            predicted_kernel_seconds=prediction.predicted_kernels,
+            predicted_step_seconds=prediction.predicted_step,
+            predicted_gain=prediction.gain,
+            saving_per_step=prediction.saving,
+        )
+
+    def _maybe_replan(self, stats: LoadStatistics, gain_bound: float) -> str:
+        """Starts a full replan when the policy allows it; says so."""
+        if self._state.replan_pending:
+            return "; a full replan runs in the background"
+        if not may_replan(self.policy, self._state, self._step, gain_bound):
+            return ""
+        self._state = after_replan_started(self._state)
+        if self._rank == 0:
+            view = self._view
+            batch_size = self._batch_size or _measured_batch_size(stats)
+            request = ReplanRequest(
+                step=self._step,
+                definition=planning_definition(self._model),
+                sharders=tuple(self._sharders),
+                topology=self._topology,
+                batch_size=batch_size,
+                constraints=measured_constraints(
+                    stats,
+                    view.plan,
+                    batch_size,
+                    self._constraints,
+                    self._keep_kernels,
+                    self._allow_data_parallel,
+                ),
+                current=view.plan,
+                tables=view.tables,
+                element_bytes=view.element_bytes,
+                device_type=self._model.device.type,
+            )
+            self._replan_digest = view.digest
+            if not self._background.busy:
+                self._background.start(request)
+        return (
+            f"; splitting shards could gain {gain_bound:.1%}: full replan started "
+            "in the background"
+        )
+
+    def _posted_replan(self, view: _ModelView) -> Tuple[int, Optional[str], Delta]:
+        """Group rank 0's finished replan, as it posts it: (step, error, delta)."""
+        result = self._background.take()
+        if result is None:
+            return -1, "the full replan's result went missing", {}
+        if result.plan is None:
+            return result.step, f"failed: {result.error}", {}
+        if self._replan_digest != view.digest:
+            return result.step, "stale: the model was resharded since", {}
+        try:
+            return result.step, None, plan_delta(view.plan, result.plan)
+        except ReshardError as e:
+            return result.step, f"refused: {e}", {}
+
+    def _take_replan(
+        self,
+        stats: LoadStatistics,
+        view: _ModelView,
+        ids: Sequence[float],
+        slope: Optional[float],
+        decision: RebalanceDecision,
+    ) -> RebalanceDecision:
+        start = time.perf_counter()
+        posted = self._posted_replan(view) if self._rank == 0 else None
+        timeout = self._options.exchange_timeout if self._options else None
+        try:
+            agreement = agree_among_ranks(
+                self._global_ranks,
+                text_digest(f"rebalance full replan at step {self._step}"),
+                None,
+                posted,
+                timeout,
+                merge=_first_post,
+            )
+        except (ReshardError, ReshardAbortedError) as e:
+            return self._replan_done(decision, f"its result was not agreed on: {e}")
+        planned_at, error, delta = agreement.merged
+        if error is not None:
+            return self._replan_done(decision, f"(from step {planned_at}) {error}")
+        blocked = blocked_reason(self.policy, self._state, self._step)
+        if blocked is not None or slope is None:
+            why = blocked or "no kernel time measured"
+            return self._replan_done(decision, f"ignored: {why}")
+        candidate = plan_with_delta(view.plan, delta)
+        after = placement_of(
+            candidate, view.tables, view.element_bytes, self._world_size
+        )
+        prediction = predict_step(
+            stats,
+            predicted_kernels(stats.compute_seconds, view.placement, after, ids, slope),
+            modelled_saving(
+                rank_elements(view.placement.units, ids, self._world_size),
+                rank_elements(after.units, ids, self._world_size),
+                slope,
+            ),
+        )
+        decision = replace(
+            self._with_prediction(decision, prediction, "full replan"),
+            tables=tuple(sorted(table_key(p, t) for p in delta for t in delta[p])),
+            search_seconds=time.perf_counter() - start,
+        )
+        before, held = view.placement.rank_bytes(), after.rank_bytes()
+        over = [
+            r
+            for r in range(self._world_size)
+            if held[r] > before[r] and held[r] > self._capacity[r]
+        ]
+        if over:
+            return self._replan_done(
+                decision, f"its plan no longer fits the memory of ranks {over[:8]}"
+            )
+        if not delta or prediction.gain < self.policy.min_gain:
+            return self._replan_done(
+                decision,
+                f"predicted gain {prediction.gain:.1%} below min_gain "
+                f"{self.policy.min_gain:.1%}",
+            )
+        outcome = self._try_reshard(candidate, prediction, decision)
+        self._state = after_replan(
+            self.policy, self._state, self._step, outcome.action == "reshard"
+        )
+        return outcome
+
+    def _replan_done(self, decision: RebalanceDecision, why: str) -> RebalanceDecision:
+        self._state = after_replan(self.policy, self._state, self._step, False)
+        reason = f"full replan {why}; training goes on with the current plan"
+        logger.info("rebalance step %d: %s", self._step, reason)
+        return replace(decision, reason=reason)
+
+    def _try_reshard(
+        self,
+        candidate: ShardingPlan,
+        prediction: StepPrediction,
+        decision: RebalanceDecision,
+    ) -> RebalanceDecision:
+        current = self._model.plan
+        dense = needs_dense_rebuild(current, candidate)
+        if dense and self._rebuild_optimizer is None:
+            return replace(
+                decision,
+                reason=(
+                    f"the candidate rebuilds dense or data-parallel tables "
+                    f"({', '.join(dense)}), whose optimizer must be rebuilt: pass "
+                    "rebuild_optimizer to the Rebalancer"
+                ),
+            )
+        try:
+            report = dry_run(self._model, candidate, self._options)
+        except (ReshardError, ReshardAbortedError) as e:
+            self._state = after_failure(self.policy, self._state, self._step)
+            logger.warning("rebalance step %d: dry run refused: %s", self._step, e)
+            return replace(decision, action="failed", reason=f"dry run refused: {e}")
+        max_rank_bytes = _max_rank_bytes(report)
+        reason, cost = judge_move(
+            self.policy, self._state, prediction.saving, max_rank_bytes
+        )
+        decision = replace(
+            decision,
+            max_rank_bytes=max_rank_bytes,
+            bytes_moved=sum(report.bytes_sent.values()),
+            move_seconds=cost,
+        )
+        if reason is not None:
+            return replace(decision, reason=reason)
+        try:
+            done = self._model.reshard(candidate, self._options)
+        except (ReshardError, ReshardAbortedError) as e:
+            self._state = after_failure(self.policy, self._state, self._step)
+            logger.warning(
+                "rebalance step %d: reshard failed, training goes on with the "
+                "current plan: %s",
+                self._step,
+                e,
+            )
+            return replace(decision, action="failed", reason=f"{type(e).__name__}: {e}")
+        # the bandwidth from the exchange phase: the agreement and the build
+        # cost the same whatever moves
+        moved = done.bytes_sent + done.bytes_received
+        self._monitor.record_reshard(moved, done.phases.exchange)
+        if dense and self._rebuild_optimizer is not None:
+            self._rebuild_optimizer(self._model)
+        self._state = after_reshard(self.policy, self._state, self._step)
+        decision = replace(
+            decision,
+            action="reshard",
+            reason="the predicted saving over the horizon exceeds the move's cost",
+            plan=candidate,
+            reshard_seconds=done.seconds,
+        )
+        self._pending = decision
+        return decision
+
+    def _note_outcome(self, stats: LoadStatistics) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending.predicted_step_seconds is None:
+            return
+        outcome = ReshardOutcome(
+            step=pending.step,
+            step_seconds_before=pending.step_seconds,
+            predicted_step_seconds=pending.predicted_step_seconds,
+            measured_step_seconds=stats.step_time,
+        )
+        self.outcomes.append(outcome)
+        if self._rank == 0:
+            logger.info(
+                "rebalance: after the reshard at step %d the step takes %.2f ms: "
+                "predicted %.2f ms (%+.1f%%), before %.2f ms",
+                outcome.step,
+                outcome.measured_step_seconds * 1e3,
+                outcome.predicted_step_seconds * 1e3,
+                outcome.error * 100,
+                outcome.step_seconds_before * 1e3,
+            )
+
+
+def _check_budget(policy: RebalancePolicy, view: _ModelView) -> None:
+    """A budget below the smallest shard's weights fits no move at all."""
+    if policy.move_budget_bytes is None:
+        return
+    smallest = min(
+        shard.rect.numel * view.itemsize[table.key]
+        for table in view.placement.tables
+        for shard in table.layout.shards
+    )
+    if policy.move_budget_bytes < smallest:
+        raise ValueError(
+            f"bad RebalancePolicy: move_budget_bytes {policy.move_budget_bytes} B "
+            f"is below the smallest shard of the model ({smallest} B): no reshard "
+            "could ever fit"
+        )

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The calibrated cost model and the step-time prediction (pure, one process).
+
+Kernel times generated from a known model (``fixed + slope x elements`` per
+rank, a placement-independent part on top) are the reference: the
+calibration recovers the slope (with a fixed part when the ranks' elements
+differ enough, through the origin when they do not, the prior when nothing
+was measured); the predicted step time after any move equals the step time
+that model gives for the new placement; the window's proposal moves hot
+shards off the slowest rank and predicts what the model then gives; noise
+that slows one rank for a window predicts no gain from a move that only
+mirrors the placement.
+"""
+
+import random
+import unittest
+from dataclasses import replace
+from typing import List, Sequence
+
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.costs import (
+    calibrate,
+    predict_step,
+    predicted_kernels,
+    propose,
+    rank_elements,
+    table_ids,
+)
+from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
+from torchrec.distributed.resharding.rebalance.placement import (
+    Placement,
+    placement_from_tables,
+    TableInfo,
+    with_layouts,
+)
+
+ROWS, DIM, WORLD = 100, 16, 4
+SLOPE, FIXED, DENSE = 2e-9, 3e-4, 5e-3
+
+
+def _placement(ranks: Sequence[int]) -> Placement:
+    return placement_from_tables(
+        [
+            TableInfo(
+                "ebc",
+                f"t{i}",
+                "table_wise",
+                TableLayout(ROWS, DIM, (PlacedShard(r, Rect(0, 0, ROWS, DIM)),)),
+                8,
+            )
+            for i, r in enumerate(ranks)
+        ],
+        WORLD,
+    )
+
+
+def _true_kernels(placement: Placement, ids: Sequence[float]) -> List[float]:
+    """Each rank's kernel seconds under the reference model."""
+    out = [FIXED] * WORLD
+    for table in placement.tables:
+        for shard in table.layout.shards:
+            out[shard.rank] += SLOPE * ids[int(table.name[1:])] * shard.rect.cols
+    return out
+
+
+def _stats(placement: Placement, ids: Sequence[float]) -> LoadStatistics:
+    kernels = _true_kernels(placement, ids)
+    step = DENSE + max(kernels)
+    return LoadStatistics(
+        steps=10,
+        tables=tuple(
+            TableLoad("ebc", f"t{i}", (f"f{i}",), (1.0,), (1.0,), n)
+            for i, n in enumerate(ids)
+        ),
+        compute_seconds=tuple(kernels),
+        input_dist_seconds=(0.0,) * WORLD,
+        output_dist_seconds=(0.0,) * WORLD,
+        step_seconds=(step,) * WORLD,
+    )
+
+
+class CostModelTest(unittest.TestCase):
+    def test_calibration(self) -> None:
+        # spread elements: the slope without the fixed part
+        elements = [1e6, 4e6, 2e5, 3e6]
+        seconds = [FIXED + SLOPE * e for e in elements]
+        self.assertAlmostEqual(calibrate(seconds, elements) or 0, SLOPE, delta=1e-15)
+        # elements too even to tell the fixed part: through the origin
+        even = [1e6, 1.05e6, 0.98e6, 1e6]
+        seconds = [SLOPE * e for e in even]
+        self.assertAlmostEqual(calibrate(seconds, even) or 0, SLOPE, delta=1e-15)
+        # nothing read or nothing timed: the prior
+        self.assertEqual(calibrate([0.0] * 4, elements, prior=7.0), 7.0)
+        self.assertEqual(calibrate([1e-3] * 4, [0.0] * 4, prior=None), None)
+
+    def test_prediction_equals_the_model_after_any_move(self) -> None:
+        rng = random.Random(0)
+        for _ in range(20):
+            ids = [rng.uniform(1e3, 1e5) for _ in range(8)]
+            before = _placement([rng.randrange(WORLD) for _ in range(8)])
+            after = _placement([rng.randrange(WORLD) for _ in range(8)])
+            stats = _stats(before, ids)
+            elements = rank_elements(before.units, table_ids(stats, before), WORLD)
+            slope = calibrate(stats.compute_seconds, elements)
+            assert slope is not None
+            kernels = predicted_kernels(
+                stats.compute_seconds, before, after, table_ids(stats, before), slope
+            )
+            truth = _true_kernels(after, ids)
+            for got, want in zip(kernels, truth):
+                self.assertAlmostEqual(got, want, delta=1e-9)
+            prediction = predict_step(stats, kernels)
+            self.assertAlmostEqual(prediction.fixed, DENSE, delta=1e-12)
+            self.assertAlmostEqual(
+                prediction.predicted_step, DENSE + max(truth), delta=1e-9
+            )
+            self.assertAlmostEqual(
+                prediction.saving, stats.step_time - prediction.predicted_step
+            )
+
+    def test_proposal_moves_hot_tables_and_predicts_the_model(self) -> None:
+        ids = [5e4, 5e4, 5e4, 1e3, 1e3, 1e3, 1e3, 1e3]
+        before = _placement([0, 0, 0, 1, 1, 2, 2, 3])
+        stats = _stats(before, ids)
+        slope = calibrate(
+            stats.compute_seconds,
+            rank_elements(before.units, table_ids(stats, before), WORLD),
+        )
+        assert slope is not None
+        proposal = propose(stats, before, slope, [1e12] * WORLD)
+        self.assertTrue(proposal.layouts)
+        after = with_layouts(before, proposal.layouts)
+        hot_ranks = {
+            t.layout.shards[0].rank
+            for t in after.tables
+            if t.name in ("t0", "t1", "t2")
+        }
+        self.assertEqual(len(hot_ranks), 3)  # one hot table per rank
+        truth = DENSE + max(_true_kernels(after, ids))
+        self.assertAlmostEqual(proposal.prediction.predicted_step, truth, delta=1e-9)
+        self.assertGreater(proposal.prediction.gain, 0.3)
+
+    def test_noise_on_one_rank_pays_for_no_move(self) -> None:
+        # a hot table alone on rank 0, half of it on rank 1: the best there
+        # is; rank 0 measured 3x slower than the model says for one window
+        ids = [4e4, 1e3, 2e4, 1e3, 1e3, 1e3, 1e3, 1e3]
+        before = _placement([0, 1, 1, 1, 2, 2, 3, 3])
+        clean = _stats(before, ids)
+        kernels = list(clean.compute_seconds)
+        kernels[0] *= 3.0
+        noisy = replace(clean, compute_seconds=tuple(kernels))
+        slope = calibrate(
+            kernels, rank_elements(before.units, table_ids(noisy, before), WORLD)
+        )
+        assert slope is not None
+        proposal = propose(noisy, before, slope, [1e12] * WORLD)
+        self.assertLessEqual(proposal.prediction.gain, 0.0)
+        self.assertLessEqual(proposal.prediction.saving, 0.0)
+
+
+if __name__ == "__main__":
+    unittest.main()
