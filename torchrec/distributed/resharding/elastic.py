@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
@@ -61,7 +62,6 @@ from torchrec.distributed.resharding.elastic_plan import (
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats
 from torchrec.distributed.resharding.fields import piece_cost
-from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import batched_kernels, slot_io
 from torchrec.distributed.resharding.model_view import (
     attached_to_pipeline,
@@ -69,6 +69,7 @@ from torchrec.distributed.resharding.model_view import (
     build_model,
     defined_tables,
     dense_tensors,
+    release_model,
     sharded_modules,
     sharded_slots,
     sharded_tables,
@@ -89,6 +90,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.runner import (
     ExchangePart,
+    MoveReport,
     Participant,
     PhaseTimes,
     run_transaction,
@@ -107,62 +109,6 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-def release_model(model: nn.Module) -> None:
-    """Releases a model's kernels and groups (``DistributedModelParallel``)."""
-    model._release()
-
-
-@dataclass
-class MoveReport:
-    """
-    What one rank did in a move between groups.
-
-    Args:
-        rank (int): global rank.
-        role (str): "stayed", "left" or "joined" (or "source" / "destination"
-            for :func:`shard_from_rank` / :func:`unshard_model`).
-        tables (int): tables moved.
-        bytes_sent (int): table bytes this rank sent to other ranks.
-        bytes_received (int): table bytes this rank received.
-        bytes_received_in_place (int): of ``bytes_received``, the bytes that
-            arrived straight in the new kernels' memory (not via a buffer).
-        bytes_copied_locally (int): table bytes that stayed on this rank and
-            were copied into the new model.
-        bytes_kept_in_place (int): table bytes that stayed on this rank in the
-            same storage: the new model's kernels took over the old ones'
-            memory (nothing copied, see ``storage``).
-        bytes_released (int): bytes of departed tables' state given back to
-            the OS from storage that kept tables share.
-        dense_bytes (int): bytes of dense parameters and buffers broadcast.
-        seconds (float): wall time on this rank.
-        phases (PhaseTimes): wall time of each phase of the transaction.
-    """
-
-    rank: int
-    role: str
-    tables: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_received_in_place: int = 0
-    bytes_copied_locally: int = 0
-    bytes_kept_in_place: int = 0
-    bytes_released: int = 0
-    dense_bytes: int = 0
-    seconds: float = 0.0
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-    def add_exchange(self, stats: ExchangeStats) -> None:
-        self.bytes_sent += stats.bytes_sent
-        self.bytes_received += stats.bytes_received
-        self.bytes_received_in_place += stats.bytes_received_in_place
-        self.bytes_copied_locally += stats.bytes_copied_locally
-        self.bytes_kept_in_place += stats.bytes_kept_in_place
-
-    def finish(self, phases: PhaseTimes) -> None:
-        self.phases = phases
-        self.seconds = phases.total
 
 
 @dataclass

@@ -12,7 +12,8 @@ The module-surgery half of live resharding: what the generic reshard (the
 transaction driver in ``transaction``) needs to know about one kind of sharded
 embedding module, as an abstract :class:`ShardedModuleAdapter`, and its
 implementation for ``ShardedEmbeddingBagCollection``
-(``ShardedEmbeddingCollection``'s is in ``install_ec``).
+(``ShardedEmbeddingCollection``'s is in ``install_ec``; ``adapters`` finds a
+module's).
 
 An adapter reads the module (its tables, plan, sharding groups and the state
 of its lookups), builds shardings for new groups and installs them through the
@@ -57,7 +58,7 @@ COLLECTIVE_RELEASE_GRACE_S = 2.0
 class ShardedModuleAdapter(abc.ABC):
     """
     One kind of sharded embedding module, as live resharding sees it. A third
-    module type plugs in with a subclass (and an entry in ``adapter_for``).
+    module type plugs in with a subclass (and an entry in ``adapters``).
 
     Args:
         module (nn.Module): the sharded module.
@@ -274,25 +275,3 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
         )
         if order is not None:
             self.module._set_output_key_order(order)
-
-
-def adapter_for(module: nn.Module) -> ShardedModuleAdapter:
-    """
-    Args:
-        module (nn.Module): a sharded embedding module.
-
-    Returns:
-        ShardedModuleAdapter: its adapter.
-
-    Raises:
-        ReshardError: for a module live resharding cannot move.
-    """
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-    from torchrec.distributed.resharding.install_ec import EmbeddingCollectionAdapter
-
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        return EmbeddingBagCollectionAdapter(module)
-    if isinstance(module, ShardedEmbeddingCollection):
-        return EmbeddingCollectionAdapter(module)
-    raise ReshardError(f"a module of type {type(module).__name__} cannot be resharded")

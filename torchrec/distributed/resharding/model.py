@@ -19,7 +19,8 @@ from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
+from torchrec.distributed.resharding.adapters import adapter_for
+from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
     ReshardError,

@@ -25,12 +25,12 @@ from torchrec.distributed.embedding_types import (
     sharding_build_hooks,
     ShardingBuildHooks,
 )
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     DenseSpec,
     table_key,
     TableShape,
 )
-from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import keyed_slots, LocalSlot, SlotKey
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.storage import KeptStorage
@@ -338,3 +338,8 @@ def build_model(
             plan=copy.deepcopy(plan),
             sharders=sharders,
         )
+
+
+def release_model(model: nn.Module) -> None:
+    """Releases a model's kernels and groups (``DistributedModelParallel``)."""
+    model._release()

@@ -56,7 +56,8 @@ from torchrec.distributed.resharding.groups import (
     retire_kernels,
     wrap_new_lookups,
 )
-from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
+from torchrec.distributed.resharding.adapters import adapter_for
+from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     keyed_slots,

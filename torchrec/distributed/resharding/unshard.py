@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.elastic import MoveReport, release_model
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
@@ -43,7 +43,6 @@ from torchrec.distributed.resharding.elastic_plan import (
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats
 from torchrec.distributed.resharding.fields import Field, FieldKind, WEIGHT
-from torchrec.distributed.resharding.install import adapter_for
 from torchrec.distributed.resharding.kernel_state import LocalSlot, slot_io, SlotKey
 from torchrec.distributed.resharding.model_view import (
     broadcast_dense,
@@ -55,6 +54,7 @@ from torchrec.distributed.resharding.model_view import (
     plain_tables,
     plain_twin,
     plain_weight,
+    release_model,
     sharded_modules,
     sharded_slots,
     sharded_tables,
@@ -70,6 +70,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.runner import (
     ExchangePart,
+    MoveReport,
     Participant,
     run_transaction,
 )
