@@ -29,9 +29,11 @@ union, by global rank):
    table's pieces go from their old owners to their new ones (weights and
    fused optimizer state), then the dense parameters, buffers and the dense
    optimizer's state are broadcast from the old group's first rank;
+   and the new model's dense optimizer is made (``make_optimizer``) and
+   loaded with the old one's state;
 4. **commit**: the old model is released on every rank of ``G``, then the
    pages of departed tables in storage that kept shards share, where nobody
-   else references it.
+   else references it; nothing of it can fail.
 
 Until the commit the old model is untouched (kept shards are shared, never
 written): a failure raises on every rank and nothing is lost.
@@ -253,7 +255,6 @@ class ModelMove(Participant):
         self._new: Dict[str, TableLayout] = {}
         self._hooks: Optional[KeptStorage] = None
         self._new_model: Optional[nn.Module] = None
-        self._dense_state: Optional[Dict[str, Any]] = None
         self.report = MoveReport(self._me, "joined")
         self.new_optimizer: Optional[KeyedOptimizer] = None
 
@@ -497,8 +498,9 @@ class ModelMove(Participant):
             src,
             group,
         )
+        dense_state = None
         if agreed.has_optimizer:
-            self._dense_state = group.broadcast_object(
+            dense_state = group.broadcast_object(
                 (
                     self._optimizer.state_dict()
                     if me == src and self._optimizer is not None
@@ -506,6 +508,15 @@ class ModelMove(Participant):
                 ),
                 src,
             )
+        # What can fail is done before the commit, while the old model is whole:
+        # the caller's optimizer factory and loading the old optimizer's state.
+        if self._new_model is not None and self._make_optimizer is not None:
+            optimizer = self._make_optimizer(self._new_model)
+            if dense_state is not None:
+                # a KeyedOptimizer loads state only into initialised state
+                optimizer.init_state()
+                optimizer.load_state_dict(dense_state)
+            self.new_optimizer = optimizer
 
     # ------------------------------------------------------ commit and abort
 
@@ -518,18 +529,13 @@ class ModelMove(Participant):
             modules = sharded_modules(new_model.module)
             self.report.bytes_released = hooks.release(nn.ModuleList(modules.values()))
         del hooks
-        if new_model is not None and self._make_optimizer is not None:
-            self.new_optimizer = self._make_optimizer(new_model)
-            if self._dense_state is not None:
-                # a KeyedOptimizer loads state only into initialised state
-                self.new_optimizer.init_state()
-                self.new_optimizer.load_state_dict(self._dense_state)
 
     def abort(self) -> None:
         if self._new_model is not None:
             release_model(self._new_model)
         # the old model keeps its storage as it is: nothing of it is released
         self._new_model = None
+        self.new_optimizer = None
         self._hooks = None
         self._runs = []
 

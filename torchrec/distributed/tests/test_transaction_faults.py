@@ -257,6 +257,53 @@ def _run_move(rank: int, world_size: int, port: str) -> None:
         )
 
 
+def _run_move_failing_make_optimizer(rank: int, world_size: int, port: str) -> None:
+    """
+    The caller's optimizer factory raises on one rank of the new group, after
+    every byte arrived: every rank raises ReshardAbortedError, the old model is
+    whole and trains on exactly as a model that was never moved.
+    """
+    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
+        env = ShardingEnv.from_process_group(pg)
+        model, reference = _model(env, device, 0), _model(env, device, 0)
+        optimizer = make_dense_optimizer(model)
+        ref_optimizer = make_dense_optimizer(reference)
+        train_model(model, optimizer, 0, rank)
+        train_model(reference, ref_optimizer, 0, rank)
+        before = global_model_state(model, optimizer, pg)
+
+        def failing_make_optimizer(new_model: nn.Module) -> Any:
+            if rank == 1:
+                raise RuntimeError("injected fault in make_optimizer")
+            return make_dense_optimizer(new_model)
+
+        raised: Optional[str] = None
+        try:
+            move_model(
+                model,
+                model_plan(world_size, 1),
+                env,
+                participants=list(range(world_size)),
+                optimizer=optimizer,
+                make_optimizer=failing_make_optimizer,
+                options=MODEL_OPTIONS,
+            )
+        except ReshardAbortedError as e:
+            raised = type(e).__name__
+        outcomes: List[Any] = [None] * world_size
+        dist.all_gather_object(outcomes, raised, group=pg)
+        assert outcomes == ["ReshardAbortedError"] * world_size, outcomes
+        _assert_same_model_state(before, global_model_state(model, optimizer, pg))
+        for step in (1, 2):
+            out = train_model(model, optimizer, step, rank)
+            ref_out = train_model(reference, ref_optimizer, step, rank)
+            assert torch.equal(out, ref_out), step
+        _assert_same_model_state(
+            global_model_state(reference, ref_optimizer, pg),
+            global_model_state(model, optimizer, pg),
+        )
+
+
 def _assert_same_model_state(a: Any, b: Any) -> None:
     (weights_a, fused_a, dense_a), (weights_b, fused_b, dense_b) = a, b
     assert weights_a.keys() == weights_b.keys()
@@ -325,6 +372,9 @@ class TransactionFaultTest(ReshardTestBase):
 
     def test_faults_in_each_phase_of_a_move(self) -> None:
         self.run_ranks(_run_move, 2)
+
+    def test_move_with_a_failing_make_optimizer_keeps_the_old_model(self) -> None:
+        self.run_ranks(_run_move_failing_make_optimizer, 2)
 
     def test_faults_in_each_phase_of_an_unshard(self) -> None:
         self.run_ranks(_run_unshard, 2)
