@@ -38,7 +38,7 @@ global state (every table's float64 row and column sums, every fused
 optimizer state, the dense parameters; layout independent) against the one
 taken before the first move: a lost or misplaced byte fails the run.
 
-Bytes: the sum over ranks of ``MoveReport.bytes_sent`` must equal the bytes
+Bytes: the sum over ranks of the reports' ``bytes_sent`` must equal the bytes
 the plans require, computed here without the library's move: for every table,
 the rectangles whose owner (global rank) changes between the old layout and
 the new one, weights plus fused optimizer state (``plan_group_move``, a pure
@@ -621,7 +621,7 @@ def run_live(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str, 
         "report": {
             "rank": report.rank,
             "role": report.role,
-            "tables": report.tables,
+            "tables": sum(len(t) for t in report.tables_rebuilt.values()),
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
             "bytes_received_in_place": report.bytes_received_in_place,
@@ -1032,7 +1032,7 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
         "x live: checkpoint time / live time of the same move (min / min, median "
         "/ median); paired x: the same per repetition (min / median); x floor: "
         "min time / min of a2a_fresh; MiB moved: table bytes sent by all ranks "
-        "(MoveReports for live), * checkpoint size on disk"
+        "(the reports for live), * checkpoint size on disk"
     )
     return "\n".join(lines)
 
@@ -1052,7 +1052,7 @@ def phases_text(rows: List[Dict[str, Any]]) -> str:
 
 def bytes_text(rows: List[Dict[str, Any]], required: Dict[str, Any]) -> str:
     """``required``: size -> move -> the dry run's bytes."""
-    lines = ["Bytes of the live moves per global rank (MoveReport = dry run):"]
+    lines = ["Bytes of the live moves per global rank (report = dry run):"]
     for r in rows:
         if r["method"] != "live":
             continue

@@ -421,7 +421,7 @@ def run_fork(
         inflight = report.bytes_sent + report.bytes_received
         if cap is not None:
             inflight = min(inflight, cap)
-        bound = _new_local_bytes(module, report.tables_rebuilt) + inflight
+        bound = _new_local_bytes(module, report.tables_rebuilt.get("", [])) + inflight
         if rep >= args.warmup:
             times.append(s)
             peaks.append(peak.extra_bytes)
@@ -434,7 +434,7 @@ def run_fork(
                     "bytes_copied_locally": report.bytes_copied_locally,
                     "bytes_kept_in_place": report.bytes_kept_in_place,
                     "bytes_released": report.bytes_released,
-                    "tables_rebuilt": len(report.tables_rebuilt),
+                    "tables_rebuilt": len(report.tables_rebuilt.get("", [])),
                     "seconds": report.seconds,
                 }
             )

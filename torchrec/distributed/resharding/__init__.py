@@ -19,13 +19,15 @@ a running job.
   store (a coordinator merges, everyone reads one decision);
 * ``exchange`` — the one executor: a rank's part of the plan over the
   transaction's own process group;
-* ``runner`` — the one transaction runner: agree, build, exchange, commit;
+* ``runner`` / ``slots`` — the one transaction runner: agree, build,
+  exchange, commit, and the shards it reads and writes;
 * ``kernel_state`` / ``optimizer_state`` — a kernel's shards and fused
   optimizer state as slots the executor reads and writes;
-* ``storage`` — kernel memory: kept shards keep their storage, old storage is
-  released only where nobody else can see it;
-* ``install`` / ``install_ec`` / ``groups`` — module surgery: what a reshard
-  needs to know about a ``ShardedEmbeddingBagCollection`` /
+* ``kept_grouping`` / ``storage`` / ``retired`` — kernel memory: kept shards
+  keep their storage, old storage is released only where nobody else can see
+  it;
+* ``install`` / ``install_ec`` / ``adapters`` / ``groups`` — module surgery:
+  what a reshard needs to know about a ``ShardedEmbeddingBagCollection`` /
   ``ShardedEmbeddingCollection``, and building its new groups;
 * ``transaction`` — a reshard within a process group (modules of one group);
 * ``model`` — ``DistributedModelParallel``: a whole new plan in one
@@ -47,8 +49,6 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     dry_run_move,
     move_model,
     MovedModel,
-    MoveDryRun,
-    MoveReport,
 )
 from torchrec.distributed.resharding.load import (  # noqa
     LoadMonitor,
@@ -57,7 +57,6 @@ from torchrec.distributed.resharding.load import (  # noqa
 )
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
-    ModelReshardReport,
     plan_delta,
     reshard_model,
 )
@@ -79,12 +78,11 @@ from torchrec.distributed.resharding.replan import (  # noqa
     PlanCost,
     predict_rank_costs,
 )
-from torchrec.distributed.resharding.runner import PhaseTimes  # noqa
-from torchrec.distributed.resharding.transaction import (  # noqa
-    DryRunReport,
-    reshard_module,
-    ReshardReport,
+from torchrec.distributed.resharding.runner import (  # noqa
+    PhaseTimes,
+    TransactionReport,
 )
+from torchrec.distributed.resharding.transaction import reshard_module  # noqa
 from torchrec.distributed.resharding.unshard import (  # noqa
     shard_from_rank,
     unshard_model,
@@ -92,17 +90,13 @@ from torchrec.distributed.resharding.unshard import (  # noqa
 )
 
 __all__ = [
-    "DryRunReport",
-    "ModelReshardReport",
     "PhaseTimes",
-    "MoveDryRun",
+    "TransactionReport",
     "MovedModel",
-    "MoveReport",
     "UnshardedModel",
     "ReshardAbortedError",
     "ReshardError",
     "ReshardOptions",
-    "ReshardReport",
     "StorageMode",
     "dry_run",
     "dry_run_move",

@@ -37,11 +37,7 @@ from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints, PlannerError
 from torchrec.distributed.resharding.load import LoadMonitor, LoadStatistics
-from torchrec.distributed.resharding.model import (
-    dry_run,
-    DryRunReport,
-    ModelReshardReport,
-)
+from torchrec.distributed.resharding.model import dry_run
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.policy import (
@@ -65,6 +61,7 @@ from torchrec.distributed.resharding.replan import (
     PlanCost,
     predict_rank_costs,
 )
+from torchrec.distributed.resharding.runner import TransactionReport
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -196,7 +193,7 @@ class ReshardOutcome:
     measured_step_seconds: float
 
 
-def exchange_seconds(report: ModelReshardReport) -> float:
+def exchange_seconds(report: TransactionReport) -> float:
     """
     The seconds a reshard's bytes took, for the bandwidth estimate: its
     exchange phase (the agreement and the build cost the same whatever moves).
@@ -416,8 +413,8 @@ class Rebalancer:
             )
         max_rank_bytes = _max_rank_bytes(new_run)
         base.update(
-            bytes_raw=sum(raw_run.bytes_sent.values()),
-            bytes_relabelled=sum(new_run.bytes_sent.values()),
+            bytes_raw=sum(raw_run.bytes_sent_by_rank.values()),
+            bytes_relabelled=sum(new_run.bytes_sent_by_rank.values()),
             max_rank_bytes=max_rank_bytes,
         )
         reason, cost = judge_move(self.policy, self._state, saving, max_rank_bytes)
@@ -584,10 +581,10 @@ def _measured_batch_size(stats: LoadStatistics) -> int:
     return max(1, round(max(sizes, default=1.0)))
 
 
-def _max_rank_bytes(report: DryRunReport) -> int:
-    ranks = set(report.bytes_sent) | set(report.bytes_received)
+def _max_rank_bytes(report: TransactionReport) -> int:
+    sent, received = report.bytes_sent_by_rank, report.bytes_received_by_rank
     return max(
-        (report.bytes_sent.get(r, 0) + report.bytes_received.get(r, 0) for r in ranks),
+        (sent.get(r, 0) + received.get(r, 0) for r in set(sent) | set(received)),
         default=0,
     )
 

@@ -24,15 +24,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding import (
-    kernel_state,
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
     runner,
+    slots,
 )
 from torchrec.distributed.resharding.fields import Field
-from torchrec.distributed.resharding.kernel_state import LocalSlot, read_piece
 from torchrec.distributed.resharding.plan import Transfer
+from torchrec.distributed.resharding.slots import LocalSlot, read_piece
 from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -100,7 +100,7 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         faulty = _faulty_read_piece(fault) if rank == 1 else read_piece
         outcome = "no error"
         try:
-            with mock.patch.object(kernel_state, "read_piece", faulty):
+            with mock.patch.object(slots, "read_piece", faulty):
                 reshard_module(
                     module,
                     delta(plan_a, plan_b),

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import torch
 from torchrec.distributed.resharding import reshard_module
 from torchrec.distributed.resharding.kernel_state import batched_kernels
-from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
 from torchrec.distributed.test_utils.reshard_utils import (
     delta,
     make_batches,

@@ -25,11 +25,11 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import (
     reshard_module,
     ReshardOptions,
-    ReshardReport,
     StorageMode,
+    TransactionReport,
 )
 from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
-from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_reshard_matches_direct,
@@ -79,7 +79,7 @@ def _reshard_and_compare(
     batch: object,
     kernel: str,
     options: Optional[ReshardOptions] = None,
-) -> ReshardReport:
+) -> TransactionReport:
     """Reshards ``module`` from ``old`` to ``new`` and checks it against a
     module sharded directly with ``new``, then trains both one step."""
     pg = env.process_group
@@ -124,7 +124,7 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
             module, ebc, sharder, plans[0], plans[1], env, device, batches[1], kernel
         )
         stays = ["t0"] if rank == 0 else ["t2", "t3"]
-        assert sorted(report.tables_kept_in_place) == stays, report
+        assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         assert report.bytes_copied_locally == 0, report
         after = _addresses(module)
         for table in stays:
@@ -139,7 +139,7 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
         report = _reshard_and_compare(
             module, ebc, sharder, plans[1], plans[2], env, device, batches[2], kernel
         )
-        assert sorted(report.tables_kept_in_place) == stays, report
+        assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         after = _addresses(module)
         for table in stays:
             assert after[table] == before[table], (table, before, after)
@@ -183,7 +183,7 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
             FUSED,
             copy,
         )
-        assert report.tables_kept_in_place == [], report
+        assert report.tables_kept_in_place == {}, report
         assert report.bytes_copied_locally == ROWS * (DIM + 1) * 4, report
         assert report.bytes_released == 0, report
         assert _kernel_count(module) == 1
@@ -210,7 +210,7 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
         batches = make_batches(num_tables, [ROWS] * num_tables, moves, 4, seed=3)
         module = shard(ebc, sharder, plans[0], env, device)
         counts: List[int] = []
-        reports: List[ReshardReport] = []
+        reports: List[TransactionReport] = []
         for k in range(moves):
             reports.append(
                 _reshard_and_compare(
@@ -234,13 +234,15 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
             cap = MAX_KERNELS_PER_GROUP
             assert counts == list(range(1, cap + 1)) + [cap], counts
             kept = [f"t{i}" for i in range(cap - 1)]
-            assert sorted(reports[-1].tables_kept_in_place) == kept, reports[-1]
+            last = reports[-1]
+            assert sorted(last.tables_kept_in_place.get("", [])) == kept, last
             assert reports[-1].bytes_copied_locally > 0, reports[-1]
         else:
             # the tables left on rank 1 all come from its one old kernel: kept
             assert counts == [1] * moves, counts
             left = [f"t{i}" for i in range(moves, num_tables)]
-            assert sorted(reports[-1].tables_kept_in_place) == left, reports[-1]
+            last = reports[-1]
+            assert sorted(last.tables_kept_in_place.get("", [])) == left, last
             assert reports[-1].bytes_copied_locally == 0, reports[-1]
 
 

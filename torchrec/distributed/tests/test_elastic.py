@@ -34,16 +34,16 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
-    kernel_state,
     ReshardAbortedError,
     ReshardOptions,
+    slots,
 )
 from torchrec.distributed.resharding.elastic import (
     _shards_in_rank_order,
     dry_run_move,
     move_model,
 )
-from torchrec.distributed.resharding.kernel_state import read_piece
+from torchrec.distributed.resharding.slots import read_piece
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,
     GROUPS,
@@ -106,7 +106,7 @@ def _failed_move(
     addresses = shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
     read = _failing_read_piece() if rank == old[0] else read_piece
     try:
-        with mock.patch.object(kernel_state, "read_piece", read):
+        with mock.patch.object(slots, "read_piece", read):
             move_model(
                 model if rank in old else None,
                 plan,
@@ -214,8 +214,8 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 gc.enable()
             assert moved.left == (rank not in new)
             # the dry run said exactly what would move
-            assert moved.report.bytes_sent == dry.bytes_sent[rank], (dry, moved)
-            assert moved.report.bytes_received == dry.bytes_received[rank], dry
+            assert moved.report.bytes_sent == dry.bytes_sent_by_rank[rank], (dry, moved)
+            assert moved.report.bytes_received == dry.bytes_received_by_rank[rank], dry
             # every byte is moved in: no table is initialised for nothing, and
             # the definition's init functions are back afterwards
             assert inits == [], inits

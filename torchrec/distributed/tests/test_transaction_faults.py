@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
-    kernel_state,
     move_model,
     reshard_module,
     ReshardAbortedError,
@@ -38,6 +37,7 @@ from torchrec.distributed.resharding import (
     ReshardOptions,
     runner,
     shard_from_rank,
+    slots,
     unshard_model,
 )
 from torchrec.distributed.resharding.elastic import ModelMove
@@ -128,7 +128,7 @@ def _fault(kind: Type[Participant], phase: str, faulty: bool) -> Any:
     if phase == "group":
         return mock.patch.object(runner, "open_exchange_group", _raise)
     if phase == "exchange":
-        return mock.patch.object(kernel_state, "read_piece", _faulty_read())
+        return mock.patch.object(slots, "read_piece", _faulty_read())
     return mock.patch.object(kind, "after_exchange", _raise)
 
 

@@ -8,7 +8,7 @@
 # pyre-strict
 
 """
-One-process tests of ``kernel_state`` and ``optimizer_state``: the local
+One-process tests of ``kernel_state``, ``slots`` and ``optimizer_state``: the local
 shards of batched kernels as slots whose weight and fused optimizer state are
 views of the kernels' storage, pieces read from one slot and written into
 another (per element, per row, row-wise state merged from column pieces), the
@@ -45,21 +45,23 @@ from torchrec.distributed.resharding.fields import (
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     is_fused,
-    kept_in_place,
     local_slots,
-    LocalSlot,
     optimizer_state_layout,
-    read_piece,
-    RowwiseMerges,
-    target_piece,
-    write_piece,
-    zero_undelivered_state,
 )
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
 )
 from torchrec.distributed.resharding.plan import Rect, ReshardError, Transfer
+from torchrec.distributed.resharding.slots import (
+    kept_in_place,
+    LocalSlot,
+    read_piece,
+    RowwiseMerges,
+    target_piece,
+    write_piece,
+    zero_undelivered_state,
+)
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
