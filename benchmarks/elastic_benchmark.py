@@ -8,7 +8,7 @@
 # pyre-strict
 
 """
-Benchmark of elastic moves (issue 13 item 6): a running
+Benchmark of elastic moves: a running
 ``DistributedModelParallel`` model shrinks from ranks [0, 1, 2, 3] to [0, 1]
 and grows back, live (``move_model``) and by the checkpoint route (what users
 do without this fork), in one run on 4 gloo ranks (CPU, one thread each).

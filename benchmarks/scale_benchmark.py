@@ -9,9 +9,9 @@
 
 """
 How the cost of a reshard's planning and agreement grows with ranks and
-tables (issue 16): pure planner and store protocol, one process, no data.
+tables: pure planner and store protocol, one process, no data.
 
-Synthetic layouts, the mix of the issue: of T tables, 60% go row-wise from
+Synthetic layouts, a mix of jobs at scale: of T tables, 60% go row-wise from
 W/2 to W ranks, 20% move table-wise from a rank of the old group to a rank
 of the new one, 10% go column-wise from 2 to 4 shards, 10% go row-wise (W/2
 ranks) -> replicated (W ranks). The old group is ranks 0 .. W/2 - 1 of the
@@ -36,7 +36,7 @@ Measured per (T, W), in one run:
   marked so.
 
 And the store agreement (``scale_agreement.measure_agreement``, the
-other half of issue 16; the run fails if that module is missing): N
+other half of the scale story; the run fails if that module is missing): N
 participants as threads on one local ``TCPStore``, seconds and bytes
 through the store, and today's protocol where it ran.
 
@@ -73,7 +73,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.test_utils.plan_layouts import reference_plan
 
-# Quoted from issue 16 (the old planner, every rank, same machine).
+# Measured with the whole-plan planner every rank used to run (same machine).
 ISSUE_TODAY = {
     (1000, 128): "7-11 s per rank",
     (1000, 1024): "486-622 s per rank",
@@ -369,7 +369,7 @@ def fmt(x: Optional[float], spec: str) -> str:
 
 
 def targets_text(rows: List[Dict[str, Any]], agreement: List[Dict[str, Any]]) -> str:
-    lines = ["Targets (issue 16):"]
+    lines = ["Targets (the spec's planning and agreement budgets):"]
     big = [r for r in rows if r["tables"] == 1000 and r["world"] == 1024]
     if big:
         r = big[0]
@@ -609,11 +609,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     for r in rows:
         if r["today_issue"]:
             text.append(
-                f"  issue 16 measured today's planner at T={r['tables']} W={r['world']}: "
+                f"  the whole-plan planner measured at T={r['tables']} W={r['world']}: "
                 f"{r['today_issue']}"
             )
     text.append(
-        "  issue 16 measured today's planner at T=1000, 64 -> 128 ranks: 7-11 s per rank"
+        "  the whole-plan planner measured at T=1000, 64 -> 128 ranks: 7-11 s per rank"
     )
     text += ["", "Agreement (threads on one TCPStore):"]
     text.append(

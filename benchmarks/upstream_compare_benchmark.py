@@ -8,8 +8,7 @@
 # pyre-strict
 
 """
-Side by side: stock torchrec 1.8.0's own reshard against the fork on 1.8.0
-(issue 18, point 6).
+Side by side: stock torchrec 1.8.0's own reshard against the fork on 1.8.0.
 
 Both sides run the same script, the same model and the same moves, through
 upstream 1.8.0's public API only::
