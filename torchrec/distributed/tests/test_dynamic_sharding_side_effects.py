@@ -41,6 +41,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.resharding import reshard_module
 from torchrec.distributed.resharding.install import EmbeddingBagCollectionAdapter
 from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
@@ -49,11 +50,9 @@ from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     load_global_state,
-    make_batches,
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
     train_step,
@@ -188,15 +187,13 @@ class _Turns:
 
 
 def _run_other_thread(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        ]
-        batches = make_batches(4, [ROWS] * 4, 2, 4, seed=3)
-        module = shard(ebc, sharder, plans[0], env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plans = [scenario.plan(s) for s in (PLAN_A, PLAN_B)]
+        batches = scenario.batches(2, seed=3)
+        module = scenario.shard(plans[0])
         # Sharding runs collectives: the eval copies get a group of their own.
         eval_env = ShardingEnv(
             world_size, rank, dist.new_group(list(range(world_size)))
@@ -220,7 +217,7 @@ def _run_other_thread(rank: int, world_size: int, port: str) -> None:
 
         # And the training module itself is exactly a module sharded with B.
         reshard_module(module, delta(plans[0], plans[1]), env)
-        reference = shard(ebc, sharder, plans[1], env, device)
+        reference = scenario.shard(plans[1])
         load_global_state(
             reference,
             global_weights(module, pg),
@@ -240,15 +237,13 @@ def _optimizer_views(module: torch.nn.Module) -> Dict[Tuple[str, str], torch.Ten
 
 
 def _run_views(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plan_a, plan_b = (
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        )
-        batches = make_batches(4, [ROWS] * 4, 3, 4, seed=9)
-        module = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plan_a, plan_b = (scenario.plan(s) for s in (PLAN_A, PLAN_B))
+        batches = scenario.batches(3, seed=9)
+        module = scenario.shard(plan_a)
         train_step(module, batches[0])
         weights = global_weights(module, pg)
         opt_state = global_optimizer_state(module, pg)
@@ -283,7 +278,7 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
             assert torch.equal(view, optimizer_before[key]), key
 
         # Fresh state dicts equal a module sharded directly with the new plan.
-        reference = shard(ebc, sharder, plan_b, env, device)
+        reference = scenario.shard(plan_b)
         load_global_state(reference, weights, opt_state)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
         assert_optimizer_states_equal(reference, module)
@@ -325,15 +320,14 @@ def _run_checkpoints(rank: int, world_size: int, port: str, path: str) -> None:
     into a module sharded directly with the new plan, and the other way round:
     for code that reads by key, the two are indistinguishable.
     """
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plan_a, plan_b = (
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        )
-        batches = make_batches(4, [ROWS] * 4, 4, 4, seed=21)
-        resharded = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        sharder = scenario.sharder
+        plan_a, plan_b = (scenario.plan(s) for s in (PLAN_A, PLAN_B))
+        batches = scenario.batches(4, seed=21)
+        resharded = scenario.shard(plan_a)
         train_step(resharded, batches[0])
         reshard_module(resharded, delta(plan_a, plan_b), env)
         train_step(resharded, batches[1])

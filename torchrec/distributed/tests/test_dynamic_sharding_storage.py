@@ -30,6 +30,7 @@ from torchrec.distributed.resharding import (
 )
 from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_reshard_matches_direct,
@@ -39,11 +40,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
     TableSpec,
@@ -100,7 +96,11 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
     tables that stay keep their addresses (weights and optimizer state) and
     are not copied; t1's pages on rank 0 are released when it leaves.
     """
-    with process_group(rank, world_size, port) as (pg, device):
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4, kernel=kernel
+    ) as scenario:
+        device, env = scenario.device, scenario.env
+        ebc, sharder = scenario.ebc, scenario.sharder
         specs: List[Dict[str, TableSpec]] = [
             {
                 "t0": ("table_wise", 0),
@@ -110,12 +110,9 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
             }
             for t1_rank in (0, 1, 0)
         ]
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [make_plan(ebc, s, world_size, world_size, kernel) for s in specs]
-        batches = make_batches(4, [ROWS] * 4, 3, 4, seed=2)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(3, seed=2)
+        module = scenario.shard(plans[0])
         train_step(module, batches[0])
 
         departed = ROWS * DIM * 4
@@ -159,17 +156,18 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
     copied locally; the result is the same.
     """
     copy = ReshardOptions(storage=StorageMode.COPY)
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        device, env = scenario.device, scenario.env
+        ebc, sharder = scenario.ebc, scenario.sharder
         specs: List[Dict[str, TableSpec]] = [
             {f"t{i}": ("table_wise", (i + shift) // 2 % 2) for i in range(4)}
             for shift in (0, 1)
         ]
-        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
-        batches = make_batches(4, [ROWS] * 4, 2, 4, seed=4)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(2, seed=4)
+        module = scenario.shard(plans[0])
         train_step(module, batches[0])
         report = _reshard_and_compare(
             module,
@@ -198,17 +196,23 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
     """
     moves = MAX_KERNELS_PER_GROUP + 1
     num_tables = moves + 2
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(num_tables, dims=[DIM] * num_tables, rows=[ROWS] * num_tables)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(
+        rank,
+        world_size,
+        port,
+        num_tables,
+        dims=[DIM] * num_tables,
+        rows=[ROWS] * num_tables,
+    ) as scenario:
+        device, env = scenario.device, scenario.env
+        ebc, sharder = scenario.ebc, scenario.sharder
         specs = [
             {f"t{i}": ("table_wise", 0 if i < k else 1) for i in range(num_tables)}
             for k in range(moves + 1)
         ]
-        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
-        batches = make_batches(num_tables, [ROWS] * num_tables, moves, 4, seed=3)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(moves, seed=3)
+        module = scenario.shard(plans[0])
         counts: List[int] = []
         reports: List[TransactionReport] = []
         for k in range(moves):

@@ -52,14 +52,11 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_sharders,
     train_model,
 )
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     delta,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
     process_group,
     ReshardTestBase,
     shard,
@@ -180,16 +177,13 @@ PLAN_B = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", N
 
 
 def _run_reshard(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv.from_process_group(pg)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
-        batches = make_batches(3, rows, 3, 4, seed=3)
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(rank, world_size, port, 3, timeout_s=60) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plan_a = scenario.plan(PLAN_A)
+        plan_b = scenario.plan(PLAN_B)
+        batches = scenario.batches(3, seed=3)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
         for batch in batches[:2]:
             train_step(module, batch)
             train_step(reference, batch)
