@@ -68,10 +68,10 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from reshard_benchmark import fmt, free_port, reset_hwm, status_kib  # same folder
+from common import fmt, free_port, gather_to_json, MiB, save_results
+from reshard_benchmark import reset_hwm, status_kib  # same folder
 from torch import nn
 
-MiB: int = 1 << 20
 WORLD: int = 4
 OLD: Tuple[int, ...] = (0, 1, 2, 3)
 SMALL: Tuple[int, ...] = (0, 1)
@@ -823,12 +823,7 @@ def worker(
                         f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
                         flush=True,
                     )
-    gathered: List[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, results, group=world)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier(group=world)
+    gather_to_json(results, out_path, world)
     ctx.model = None
     dist.destroy_process_group()
 
@@ -1242,31 +1237,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     verdict = "\n".join(verdicts)
     if verdict:
         print("\n" + verdict, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "elastic_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "args": vars(args),
-                "cores": os.cpu_count(),
-                "world_size": WORLD,
-                "checkpoint_dir": ckpt_base,
-                "required_bytes": required,
-                "rows": rows,
-                "table": table,
-                "bytes": bytes_block,
-                "phases": phases,
-                "verdict": verdict,
-                "byte_check_failures": failures,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, stem + ".png", header)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "elastic_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "args": vars(args),
+            "cores": os.cpu_count(),
+            "world_size": WORLD,
+            "checkpoint_dir": ckpt_base,
+            "required_bytes": required,
+            "rows": rows,
+            "table": table,
+            "bytes": bytes_block,
+            "phases": phases,
+            "verdict": verdict,
+            "byte_check_failures": failures,
+        },
+        None if args.no_plot else lambda path: plot(rows, path, header),
+    )
     if failures:
         print("\nBYTES DIFFER FROM THE PLANS:\n  " + "\n  ".join(failures))
         sys.exit(1)

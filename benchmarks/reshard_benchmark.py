@@ -45,7 +45,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -56,11 +55,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import fmt, free_port, gather_to_json, meta_ebc, MiB, save_results
 
 DIM = 128
 TABLES_PER_RANK = 4
 MOVED_PER_RANK = 2
-MiB = 1 << 20
 
 ALL_METHODS = ["a2a_warm", "a2a_fresh", "dense", "fused", "fused_cap", "ckpt"]
 METHOD_LABELS = {
@@ -139,20 +138,7 @@ def placements(world_size: int, flipped: bool) -> Dict[str, int]:
 
 
 def make_ebc(rows: int, world_size: int) -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            embedding_dim=DIM,
-            num_embeddings=rows,
-            feature_names=[f"f_{name}"],
-        )
-        for name in table_names(world_size)
-    ]
-    # Meta device: the unsharded module never allocates.
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return meta_ebc(table_names(world_size), rows, DIM)
 
 
 def make_plan(ebc: Any, kernel: str, world_size: int, flipped: bool) -> Any:
@@ -576,20 +562,8 @@ def worker(
                 f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}",
                 flush=True,
             )
-    gathered: List[Any] = [None] * ws
-    dist.all_gather_object(gathered, results, group=pg)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier(group=pg)
+    gather_to_json(results, out_path, pg)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port free on localhost now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -660,11 +634,6 @@ def summarise(
         ck = floors.get("ckpt")
         row["x_ckpt"] = row["min_s"] / ck if ck else None
     return rows
-
-
-def fmt(x: Optional[float], spec: str) -> str:
-    """``x`` formatted with ``spec``, or "-" when there is none."""
-    return "-" if x is None else format(x, spec)
 
 
 def print_table(rows: List[Dict[str, Any]], header: str) -> str:
@@ -840,28 +809,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     print()
     table = print_table(rows, "")
     bd = breakdown_text(rows)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "reshard_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "cores": cores,
-                "world_size": args.world_size,
-                "optimizer": args.optimizer,
-                "max_inflight_mib": args.max_inflight_mib,
-                "memory_method": how,
-                "rows": rows,
-                "table": table,
-                "breakdown": bd,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, stem + ".png", header[:160])
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "reshard_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "cores": cores,
+            "world_size": args.world_size,
+            "optimizer": args.optimizer,
+            "max_inflight_mib": args.max_inflight_mib,
+            "memory_method": how,
+            "rows": rows,
+            "table": table,
+            "breakdown": bd,
+        },
+        None if args.no_plot else lambda path: plot(rows, path, header[:160]),
+    )
 
 
 if __name__ == "__main__":

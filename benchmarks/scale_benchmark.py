@@ -50,7 +50,6 @@ Example::
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -61,6 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from common import fmt, save_results
 from torchrec.distributed.resharding.plan import (
     bytes_per_rank,
     PieceCost,
@@ -363,11 +363,6 @@ def agreement_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def fmt(x: Optional[float], spec: str) -> str:
-    """``x`` formatted with ``spec``, or "-" when there is none."""
-    return "-" if x is None else format(x, spec)
-
-
 def targets_text(rows: List[Dict[str, Any]], agreement: List[Dict[str, Any]]) -> str:
     lines = ["Targets (the spec's planning and agreement budgets):"]
     big = [r for r in rows if r["tables"] == 1000 and r["world"] == 1024]
@@ -622,23 +617,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     text += ["", targets_text(rows, agreement)]
     report = "\n".join(text)
     print(report, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "scale_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "rows": rows,
-                "agreement": agreement,
-                "report": report,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, agreement, stem + ".png", header)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "scale_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "rows": rows,
+            "agreement": agreement,
+            "report": report,
+        },
+        None if args.no_plot else lambda path: plot(rows, agreement, path, header),
+    )
 
 
 if __name__ == "__main__":

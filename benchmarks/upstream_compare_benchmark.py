@@ -85,11 +85,11 @@ from typing import Any, Dict, List, Optional, Tuple
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
+from common import fmt, free_port, meta_ebc, MiB  # noqa: E402 (the folder first)
 
 DIM = 128
 TABLES_PER_RANK = 4
 MOVED_PER_RANK = 2
-MiB = 1 << 20
 CHUNK_ROWS = 1 << 16
 BATCH_SIZE = 32
 IDS_PER_SAMPLE = 4
@@ -301,20 +301,7 @@ def make_ebc(rows: int, world_size: int) -> Any:
         Any: the unsharded EmbeddingBagCollection, on the meta device (it
         never allocates).
     """
-    import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            embedding_dim=DIM,
-            num_embeddings=rows,
-            feature_names=[f"f_{name}"],
-        )
-        for name in table_names(world_size)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return meta_ebc(table_names(world_size), rows, DIM)
 
 
 def make_plan(ebc: Any, move: str, world_size: int, moved: bool) -> Any:
@@ -811,7 +798,7 @@ def run_side(args: argparse.Namespace) -> None:
         args (argparse.Namespace): the side's options.
     """
     import torch.multiprocessing as mp
-    from reshard_benchmark import free_port, reset_hwm  # pyre-ignore[21]
+    from reshard_benchmark import reset_hwm  # pyre-ignore[21]
 
     args.resettable = reset_hwm()
     if args.hash_seed != "random":
@@ -954,18 +941,6 @@ def summarise(
     }
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
-    """
-    Args:
-        x (Optional[float]): a number or None.
-        spec (str): a format spec.
-
-    Returns:
-        str: ``x`` formatted, or "-".
-    """
-    return "-" if x is None else format(x, spec)
-
-
 def checks_text(
     results: List[Optional[str]],
     directions: List[str],
@@ -1049,9 +1024,9 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
             w_cell = "WRONG"
         lines.append(
             f"{r['size_mib']:>8g} {r['move']:<11} {r['side']:<9} "
-            f"{_fmt(r['min_s'], '7.3f'):>7} {_fmt(r['median_s'], '8.3f'):>8} "
-            f"{_fmt(x_min, '6.2f'):>6} {_fmt(x_med, '6.2f'):>6} "
-            f"{_fmt(r['peak_mib'], '8.0f'):>8} {_fmt(r['held_mib'], '8.0f'):>8}  "
+            f"{fmt(r['min_s'], '7.3f'):>7} {fmt(r['median_s'], '8.3f'):>8} "
+            f"{fmt(x_min, '6.2f'):>6} {fmt(x_med, '6.2f'):>6} "
+            f"{fmt(r['peak_mib'], '8.0f'):>8} {fmt(r['held_mib'], '8.0f'):>8}  "
             f"{w_cell:<9} {checks_text(r['forward'], r['directions'], r['forward_warmup'])}"
             + (f"  FAILED: {r['error']}" if r["error"] else "")
         )
