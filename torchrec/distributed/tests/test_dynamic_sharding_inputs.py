@@ -25,22 +25,15 @@ from torchrec.distributed.test_utils.reshard_ec_utils import (
     ec_train_step,
     make_ec_sharder,
 )
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     EmbeddingConfig,
@@ -140,24 +133,18 @@ def _shapes(prefix: str, names: Sequence[str]) -> Dict[str, Any]:
 
 
 def _run_ebc_inputs(rank: int, world_size: int, port: str, weighted: bool) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = _ebc(weighted)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ebc, spec, world_size, world_size, "fused")
-            for spec in [EBC_PLAN_A] + EBC_PLANS_B
-        ]
-        module = shard(ebc, sharder, plans[0], env, device)
+    unsharded = _ebc(weighted)
+    with reshard_scenario(rank, world_size, port, unsharded=unsharded) as scenario:
+        env, device = scenario.env, scenario.device
+        plans = scenario.plans([EBC_PLAN_A] + EBC_PLANS_B)
+        module = scenario.shard(plans[0])
         seed = 10 * rank
         train_step(module, _batch(KEYS, 4, seed, weighted))
         for new_plan, batch_size in zip(plans[1:], (7, 3)):
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
+            state = scenario.global_state(module)
             old_plan = dict(module.module_sharding_plan)
             module.update_shards(delta(old_plan, new_plan), env, device)
-            reference = shard(ebc, sharder, new_plan, env, device)
-            load_global_state(reference, weights, opt_state)
+            reference = scenario.reference(new_plan, state)
             for _ in range(2):  # outputs before and after a training step
                 seed += 1
                 batch = _batch(KEYS, batch_size, seed, weighted)
@@ -169,24 +156,20 @@ def _run_ebc_inputs(rank: int, world_size: int, port: str, weighted: bool) -> No
 
 
 def _run_ec_inputs(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ec = _ec()
-        sharder = make_ec_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ec, spec, world_size, world_size, "fused")  # pyre-ignore[6]
-            for spec in [EC_PLAN_A] + EC_PLANS_B
-        ]
-        module = shard(ec, sharder, plans[0], env, device)  # pyre-ignore[6]
+    sharder = make_ec_sharder("rowwise_adagrad")
+    with reshard_scenario(
+        rank, world_size, port, unsharded=_ec(), sharder=sharder
+    ) as scenario:
+        env, device = scenario.env, scenario.device
+        plans = scenario.plans([EC_PLAN_A] + EC_PLANS_B)
+        module = scenario.shard(plans[0])
         seed = 10 * rank
         ec_train_step(module, _batch(EC_KEYS, 4, seed, False))
         for new_plan, batch_size in zip(plans[1:], (7, 3)):
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
+            state = scenario.global_state(module)
             old_plan = dict(module.module_sharding_plan)
             module.update_shards(delta(old_plan, new_plan), env, device)
-            reference = shard(ec, sharder, new_plan, env, device)  # pyre-ignore[6]
-            load_global_state(reference, weights, opt_state)
+            reference = scenario.reference(new_plan, state)
             for _ in range(2):
                 seed += 1
                 batch = _batch(EC_KEYS, batch_size, seed, False)

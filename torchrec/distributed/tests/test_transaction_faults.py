@@ -216,12 +216,18 @@ def _model(env: ShardingEnv, device: torch.device, shift: int) -> nn.Module:
     return model
 
 
+def _trained_model(env: ShardingEnv, device: torch.device, rank: int) -> Any:
+    """A model over ``env`` and its dense optimizer, after one training step."""
+    model = _model(env, device, 0)
+    optimizer = make_dense_optimizer(model)
+    train_model(model, optimizer, 0, rank)
+    return model, optimizer
+
+
 def _run_move(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model = _model(env, device, 0)
-        optimizer = make_dense_optimizer(model)
-        train_model(model, optimizer, 0, rank)
+        model, optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
         ranks = list(range(world_size))
         for phase, expect in _each_fault(ModelMove, rank, pg):
@@ -259,11 +265,8 @@ def _run_move_failing_make_optimizer(rank: int, world_size: int, port: str) -> N
     """
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model, reference = _model(env, device, 0), _model(env, device, 0)
-        optimizer = make_dense_optimizer(model)
-        ref_optimizer = make_dense_optimizer(reference)
-        train_model(model, optimizer, 0, rank)
-        train_model(reference, ref_optimizer, 0, rank)
+        model, optimizer = _trained_model(env, device, rank)
+        reference, ref_optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
 
         def failing_make_optimizer(new_model: nn.Module) -> Any:
@@ -313,9 +316,7 @@ def _assert_same_model_state(a: Any, b: Any) -> None:
 def _run_unshard(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model = _model(env, device, 0)
-        optimizer = make_dense_optimizer(model)
-        train_model(model, optimizer, 0, rank)
+        model, optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
         for phase, expect in _each_fault(Unshard, rank, pg):
             with expect:
