@@ -47,9 +47,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_same_training,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
     make_ebc,
     make_plan,
     make_sharder,
@@ -190,7 +187,7 @@ def _run_other_thread(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(
         rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
     ) as scenario:
-        pg, device, env = scenario.pg, scenario.device, scenario.env
+        device, env = scenario.device, scenario.env
         plans = [scenario.plan(s) for s in (PLAN_A, PLAN_B)]
         batches = scenario.batches(2, seed=3)
         module = scenario.shard(plans[0])
@@ -217,12 +214,7 @@ def _run_other_thread(rank: int, world_size: int, port: str) -> None:
 
         # And the training module itself is exactly a module sharded with B.
         reshard_module(module, delta(plans[0], plans[1]), env)
-        reference = scenario.shard(plans[1])
-        load_global_state(
-            reference,
-            global_weights(module, pg),
-            global_optimizer_state(module, pg),
-        )
+        reference = scenario.reference(plans[1], scenario.global_state(module))
         assert_same_training(reference, module, batches, "fused", device)
 
 
@@ -245,8 +237,7 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
         batches = scenario.batches(3, seed=9)
         module = scenario.shard(plan_a)
         train_step(module, batches[0])
-        weights = global_weights(module, pg)
-        opt_state = global_optimizer_state(module, pg)
+        state = scenario.global_state(module)
 
         # What a caller holds: a state dict, an optimizer state dict, a shard.
         state_dict = module.state_dict()
@@ -278,8 +269,7 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
             assert torch.equal(view, optimizer_before[key]), key
 
         # Fresh state dicts equal a module sharded directly with the new plan.
-        reference = scenario.shard(plan_b)
-        load_global_state(reference, weights, opt_state)
+        reference = scenario.reference(plan_b, state)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
         assert_optimizer_states_equal(reference, module)
 

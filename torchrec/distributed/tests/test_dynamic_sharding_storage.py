@@ -30,22 +30,20 @@ from torchrec.distributed.resharding import (
 )
 from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
-from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
+from torchrec.distributed.test_utils.reshard_scenario import (
+    reshard_scenario,
+    ReshardScenario,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_reshard_matches_direct,
     assert_same_training,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 
 FUSED = EmbeddingComputeKernel.FUSED.value
 DENSE = EmbeddingComputeKernel.DENSE.value
@@ -65,28 +63,22 @@ def _kernel_count(module: torch.nn.Module) -> int:
 
 
 def _reshard_and_compare(
+    scenario: ReshardScenario,
     module: torch.nn.Module,
-    ebc: torch.nn.Module,
-    sharder: torch.nn.Module,
     old: Dict[str, object],
     new: Dict[str, object],
-    env: ShardingEnv,
-    device: torch.device,
     batch: object,
-    kernel: str,
     options: Optional[ReshardOptions] = None,
 ) -> TransactionReport:
     """Reshards ``module`` from ``old`` to ``new`` and checks it against a
     module sharded directly with ``new``, then trains both one step."""
-    pg = env.process_group
-    weights = global_weights(module, pg)
-    opt_state = global_optimizer_state(module, pg)
+    state = scenario.global_state(module)
+    env, device = scenario.env, scenario.device
     report = reshard_module(module, delta(old, new), env, device, options)
-    reference = shard(ebc, sharder, new, env, device)
-    load_global_state(reference, weights, opt_state)
+    reference = scenario.reference(new, state)
     assert_state_dicts_equal(reference.state_dict(), module.state_dict())
     assert_optimizer_states_equal(reference, module)
-    assert_same_training(reference, module, [batch], kernel, device)
+    assert_same_training(reference, module, [batch], scenario.kernel, device)
     return report
 
 
@@ -99,8 +91,6 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
     with reshard_scenario(
         rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4, kernel=kernel
     ) as scenario:
-        device, env = scenario.device, scenario.env
-        ebc, sharder = scenario.ebc, scenario.sharder
         specs: List[Dict[str, TableSpec]] = [
             {
                 "t0": ("table_wise", 0),
@@ -117,9 +107,7 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
 
         departed = ROWS * DIM * 4
         before = _addresses(module)
-        report = _reshard_and_compare(
-            module, ebc, sharder, plans[0], plans[1], env, device, batches[1], kernel
-        )
+        report = _reshard_and_compare(scenario, module, plans[0], plans[1], batches[1])
         stays = ["t0"] if rank == 0 else ["t2", "t3"]
         assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         assert report.bytes_copied_locally == 0, report
@@ -133,9 +121,7 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
             assert _kernel_count(module) == 2  # the kept kernel + t1's
 
         before = _addresses(module)
-        report = _reshard_and_compare(
-            module, ebc, sharder, plans[1], plans[2], env, device, batches[2], kernel
-        )
+        report = _reshard_and_compare(scenario, module, plans[1], plans[2], batches[2])
         assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         after = _addresses(module)
         for table in stays:
@@ -159,8 +145,6 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(
         rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
     ) as scenario:
-        device, env = scenario.device, scenario.env
-        ebc, sharder = scenario.ebc, scenario.sharder
         specs: List[Dict[str, TableSpec]] = [
             {f"t{i}": ("table_wise", (i + shift) // 2 % 2) for i in range(4)}
             for shift in (0, 1)
@@ -170,16 +154,7 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
         module = scenario.shard(plans[0])
         train_step(module, batches[0])
         report = _reshard_and_compare(
-            module,
-            ebc,
-            sharder,
-            plans[0],
-            plans[1],
-            env,
-            device,
-            batches[1],
-            FUSED,
-            copy,
+            scenario, module, plans[0], plans[1], batches[1], copy
         )
         assert report.tables_kept_in_place == {}, report
         assert report.bytes_copied_locally == ROWS * (DIM + 1) * 4, report
@@ -204,8 +179,6 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
         dims=[DIM] * num_tables,
         rows=[ROWS] * num_tables,
     ) as scenario:
-        device, env = scenario.device, scenario.env
-        ebc, sharder = scenario.ebc, scenario.sharder
         specs = [
             {f"t{i}": ("table_wise", 0 if i < k else 1) for i in range(num_tables)}
             for k in range(moves + 1)
@@ -218,15 +191,7 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
         for k in range(moves):
             reports.append(
                 _reshard_and_compare(
-                    module,
-                    ebc,
-                    sharder,
-                    plans[k],
-                    plans[k + 1],
-                    env,
-                    device,
-                    batches[k],
-                    FUSED,
+                    scenario, module, plans[k], plans[k + 1], batches[k]
                 )
             )
             counts.append(_kernel_count(module))

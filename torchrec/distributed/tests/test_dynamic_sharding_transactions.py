@@ -203,7 +203,7 @@ def _kernel_options(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
 
 def _run_kernel_options(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(rank, world_size, port, 3, dims=[16] * 3) as scenario:
-        pg, device, env = scenario.pg, scenario.device, scenario.env
+        device, env = scenario.device, scenario.env
         specs = {
             "t0": ("table_wise", 0),
             "t1": ("column_wise", [0, 1]),
@@ -216,14 +216,12 @@ def _run_kernel_options(rank: int, world_size: int, port: str) -> None:
             train_step(module, batches[2 * i])
             new_plan = copy.deepcopy(plan)
             setattr(new_plan["t1"], option, value)
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
+            state = scenario.global_state(module)
             report = reshard_module(module, delta(plan, new_plan), env)
             assert report.tables_moved == {}, (option, report)
             assert module.module_sharding_plan == new_plan, option
 
-            reference = scenario.shard(new_plan)
-            load_global_state(reference, weights, opt_state)
+            reference = scenario.reference(new_plan, state)
             assert _kernel_options(module) == _kernel_options(reference), option
             if option in OBSERVABLE:  # the option took effect in the kernel
                 before = _kernel_options(scenario.shard(plan))
