@@ -32,7 +32,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
     ReshardAbortedError,
     ReshardOptions,
@@ -54,6 +53,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_sharders,
     reference_model,
     shard_addresses,
+    sharded_model,
     share_from,
     train_model,
     WORLD,
@@ -156,14 +156,7 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
         optimizer: Any = None
         env = envs[start]
         assert env is not None
-        model = DistributedModelParallel(
-            model_definition(),
-            env=env,
-            device=device,
-            plan=model_plan(4, 0),
-            sharders=model_sharders(),
-        )
-        model.load_state_dict(model_definition("cpu").state_dict())
+        model = sharded_model(env, model_plan(4, 0), device)
         optimizer = make_dense_optimizer(model)
         step = 0
         for index in range(2):

@@ -28,7 +28,6 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
     move_model,
     reshard_module,
@@ -50,6 +49,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_definition,
     model_plan,
     model_sharders,
+    sharded_model,
     train_model,
 )
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
@@ -205,15 +205,8 @@ def _run_reshard(rank: int, world_size: int, port: str) -> None:
 
 
 def _model(env: ShardingEnv, device: torch.device, shift: int) -> nn.Module:
-    model = DistributedModelParallel(
-        model_definition(),
-        env=env,
-        device=device,
-        plan=model_plan(dist.get_world_size(env.process_group), shift),
-        sharders=model_sharders(),
-    )
-    model.load_state_dict(model_definition("cpu").state_dict())
-    return model
+    plan = model_plan(dist.get_world_size(env.process_group), shift)
+    return sharded_model(env, plan, device)
 
 
 def _trained_model(env: ShardingEnv, device: torch.device, rank: int) -> Any:
@@ -224,33 +217,35 @@ def _trained_model(env: ShardingEnv, device: torch.device, rank: int) -> Any:
     return model, optimizer
 
 
+def _move(
+    model: nn.Module,
+    optimizer: Any,
+    env: ShardingEnv,
+    make_optimizer: Callable[[nn.Module], Any] = make_dense_optimizer,
+) -> Any:
+    """The move of the model onto the same ranks under the shifted plan."""
+    world_size = dist.get_world_size(env.process_group)
+    return move_model(
+        model,
+        model_plan(world_size, 1),
+        env,
+        participants=list(range(world_size)),
+        optimizer=optimizer,
+        make_optimizer=make_optimizer,
+        options=MODEL_OPTIONS,
+    )
+
+
 def _run_move(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
         model, optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
-        ranks = list(range(world_size))
         for phase, expect in _each_fault(ModelMove, rank, pg):
             with expect:
-                move_model(
-                    model,
-                    model_plan(world_size, 1),
-                    env,
-                    participants=ranks,
-                    optimizer=optimizer,
-                    make_optimizer=make_dense_optimizer,
-                    options=MODEL_OPTIONS,
-                )
+                _move(model, optimizer, env)
             _assert_same_model_state(before, global_model_state(model, optimizer, pg))
-        moved = move_model(
-            model,
-            model_plan(world_size, 1),
-            env,
-            participants=ranks,
-            optimizer=optimizer,
-            make_optimizer=make_dense_optimizer,
-            options=MODEL_OPTIONS,
-        )
+        moved = _move(model, optimizer, env)
         assert moved.model is not None
         _assert_same_model_state(
             before, global_model_state(moved.model, moved.optimizer, pg)
@@ -276,15 +271,7 @@ def _run_move_failing_make_optimizer(rank: int, world_size: int, port: str) -> N
 
         raised: Optional[str] = None
         try:
-            move_model(
-                model,
-                model_plan(world_size, 1),
-                env,
-                participants=list(range(world_size)),
-                optimizer=optimizer,
-                make_optimizer=failing_make_optimizer,
-                options=MODEL_OPTIONS,
-            )
+            _move(model, optimizer, env, failing_make_optimizer)
         except ReshardAbortedError as e:
             raised = type(e).__name__
         outcomes: List[Any] = [None] * world_size
