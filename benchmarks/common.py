@@ -14,12 +14,29 @@ their tables, and writing a run's results (JSON, and a plot) to the output
 folder. Each script keeps what it measures and how it tells it.
 """
 
+import argparse
 import json
 import os
 import socket
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 MiB: int = 1 << 20
+
+
+def output_arguments() -> argparse.ArgumentParser:
+    """
+    The arguments of a benchmark's output, for ``argparse``'s ``parents=``:
+    ``--out-dir`` (default: ``benchmarks/results``) and ``--no-plot``.
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(
+        "--out-dir",
+        type=str,
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+        help="where the results (JSON and plot) are written",
+    )
+    p.add_argument("--no-plot", action="store_true", help="write no plot")
+    return p
 
 
 def fmt(x: Optional[float], spec: str) -> str:

@@ -68,7 +68,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import fmt, free_port, gather_to_json, MiB, save_results
+from common import (
+    fmt,
+    free_port,
+    gather_to_json,
+    MiB,
+    output_arguments,
+    save_results,
+)
 from reshard_benchmark import reset_hwm, status_kib  # same folder
 from torch import nn
 
@@ -1117,6 +1124,7 @@ def default_ckpt_dir() -> str:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="Benchmark moving a running DistributedModelParallel model "
         "between groups of ranks (shrink 4 -> 2, grow 2 -> 4) live against the "
         "checkpoint route, on 4 gloo ranks (CPU).",
@@ -1156,14 +1164,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "writable, else the temp dir)",
     )
     p.add_argument(
-        "--out-dir",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument(
         "--target", type=float, default=5.0, help="target ratio checkpoint / live"
     )
     p.add_argument("--timeout-s", type=int, default=600, help="process group timeout")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.tw_tables + args.rw_tables < 1:

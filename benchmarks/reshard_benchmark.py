@@ -55,7 +55,15 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import fmt, free_port, gather_to_json, meta_ebc, MiB, save_results
+from common import (
+    fmt,
+    free_port,
+    gather_to_json,
+    meta_ebc,
+    MiB,
+    output_arguments,
+    save_results,
+)
 
 DIM = 128
 TABLES_PER_RANK = 4
@@ -701,6 +709,7 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="Benchmark live resharding of a ShardedEmbeddingBagCollection "
         "against the all_to_all_single floors and the checkpoint route.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -745,11 +754,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="max_inflight_bytes of fused_cap, MiB",
     )
     p.add_argument(
-        "--out-dir",
-        type=str,
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument(
         "--ckpt-dir",
         type=str,
         default=None,
@@ -761,7 +765,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="start new ranks for every (size, method) (automatic when /proc/self/clear_refs is not writable)",
     )
     p.add_argument("--timeout-s", type=int, default=1800, help="process group timeout")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     unknown = set(args.methods.split(",")) - set(ALL_METHODS)

@@ -60,7 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from common import fmt, save_results
+from common import fmt, output_arguments, save_results
 from torchrec.distributed.resharding.plan import (
     bytes_per_rank,
     PieceCost,
@@ -510,6 +510,7 @@ def ints(text: str) -> List[int]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="How planning and agreement costs grow with ranks and tables.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -540,12 +541,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=3,
         help="agreements in a row per N (seconds: their median)",
     )
-    p.add_argument(
-        "--out-dir",
-        type=str,
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
 
