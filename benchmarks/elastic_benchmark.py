@@ -8,7 +8,7 @@
 # pyre-strict
 
 """
-Benchmark of elastic moves (issue 13 item 6): a running
+Benchmark of elastic moves: a running
 ``DistributedModelParallel`` model shrinks from ranks [0, 1, 2, 3] to [0, 1]
 and grows back, live (``move_model``) and by the checkpoint route (what users
 do without this fork), in one run on 4 gloo ranks (CPU, one thread each).
@@ -38,7 +38,7 @@ global state (every table's float64 row and column sums, every fused
 optimizer state, the dense parameters; layout independent) against the one
 taken before the first move: a lost or misplaced byte fails the run.
 
-Bytes: the sum over ranks of ``MoveReport.bytes_sent`` must equal the bytes
+Bytes: the sum over ranks of the reports' ``bytes_sent`` must equal the bytes
 the plans require, computed here without the library's move: for every table,
 the rectangles whose owner (global rank) changes between the old layout and
 the new one, weights plus fused optimizer state (``plan_group_move``, a pure
@@ -68,10 +68,17 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from reshard_benchmark import fmt, free_port, reset_hwm, status_kib  # same folder
+from common import (
+    fmt,
+    free_port,
+    gather_to_json,
+    MiB,
+    output_arguments,
+    save_results,
+)
+from reshard_benchmark import reset_hwm, status_kib  # same folder
 from torch import nn
 
-MiB: int = 1 << 20
 WORLD: int = 4
 OLD: Tuple[int, ...] = (0, 1, 2, 3)
 SMALL: Tuple[int, ...] = (0, 1)
@@ -621,7 +628,7 @@ def run_live(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str, 
         "report": {
             "rank": report.rank,
             "role": report.role,
-            "tables": report.tables,
+            "tables": sum(len(t) for t in report.tables_rebuilt.values()),
             "bytes_sent": report.bytes_sent,
             "bytes_received": report.bytes_received,
             "bytes_received_in_place": report.bytes_received_in_place,
@@ -823,12 +830,7 @@ def worker(
                         f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
                         flush=True,
                     )
-    gathered: List[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, results, group=world)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier(group=world)
+    gather_to_json(results, out_path, world)
     ctx.model = None
     dist.destroy_process_group()
 
@@ -1032,7 +1034,7 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
         "x live: checkpoint time / live time of the same move (min / min, median "
         "/ median); paired x: the same per repetition (min / median); x floor: "
         "min time / min of a2a_fresh; MiB moved: table bytes sent by all ranks "
-        "(MoveReports for live), * checkpoint size on disk"
+        "(the reports for live), * checkpoint size on disk"
     )
     return "\n".join(lines)
 
@@ -1052,7 +1054,7 @@ def phases_text(rows: List[Dict[str, Any]]) -> str:
 
 def bytes_text(rows: List[Dict[str, Any]], required: Dict[str, Any]) -> str:
     """``required``: size -> move -> the dry run's bytes."""
-    lines = ["Bytes of the live moves per global rank (MoveReport = dry run):"]
+    lines = ["Bytes of the live moves per global rank (report = dry run):"]
     for r in rows:
         if r["method"] != "live":
             continue
@@ -1122,6 +1124,7 @@ def default_ckpt_dir() -> str:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="Benchmark moving a running DistributedModelParallel model "
         "between groups of ranks (shrink 4 -> 2, grow 2 -> 4) live against the "
         "checkpoint route, on 4 gloo ranks (CPU).",
@@ -1161,14 +1164,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         "writable, else the temp dir)",
     )
     p.add_argument(
-        "--out-dir",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument(
         "--target", type=float, default=5.0, help="target ratio checkpoint / live"
     )
     p.add_argument("--timeout-s", type=int, default=600, help="process group timeout")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.tw_tables + args.rw_tables < 1:
@@ -1242,31 +1240,26 @@ def main(argv: Optional[List[str]] = None) -> None:
     verdict = "\n".join(verdicts)
     if verdict:
         print("\n" + verdict, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "elastic_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "args": vars(args),
-                "cores": os.cpu_count(),
-                "world_size": WORLD,
-                "checkpoint_dir": ckpt_base,
-                "required_bytes": required,
-                "rows": rows,
-                "table": table,
-                "bytes": bytes_block,
-                "phases": phases,
-                "verdict": verdict,
-                "byte_check_failures": failures,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, stem + ".png", header)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "elastic_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "args": vars(args),
+            "cores": os.cpu_count(),
+            "world_size": WORLD,
+            "checkpoint_dir": ckpt_base,
+            "required_bytes": required,
+            "rows": rows,
+            "table": table,
+            "bytes": bytes_block,
+            "phases": phases,
+            "verdict": verdict,
+            "byte_check_failures": failures,
+        },
+        None if args.no_plot else lambda path: plot(rows, path, header),
+    )
     if failures:
         print("\nBYTES DIFFER FROM THE PLANS:\n  " + "\n  ".join(failures))
         sys.exit(1)

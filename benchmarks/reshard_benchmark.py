@@ -8,7 +8,8 @@
 # pyre-strict
 
 """
-Benchmark of live resharding (SPEC section 8, issue 5).
+Benchmark of live resharding: time against the wire floors and the
+checkpoint route, and peak extra memory, as ratios in one run.
 
 Scenario: ``4 * world_size`` fp32 tables of dim 128, table-wise, 4 per rank.
 Each reshard moves half of every rank's tables (2 tables) to the next rank, so
@@ -44,7 +45,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,11 +55,19 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import (
+    fmt,
+    free_port,
+    gather_to_json,
+    meta_ebc,
+    MiB,
+    output_arguments,
+    save_results,
+)
 
 DIM = 128
 TABLES_PER_RANK = 4
 MOVED_PER_RANK = 2
-MiB = 1 << 20
 
 ALL_METHODS = ["a2a_warm", "a2a_fresh", "dense", "fused", "fused_cap", "ckpt"]
 METHOD_LABELS = {
@@ -138,20 +146,7 @@ def placements(world_size: int, flipped: bool) -> Dict[str, int]:
 
 
 def make_ebc(rows: int, world_size: int) -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            embedding_dim=DIM,
-            num_embeddings=rows,
-            feature_names=[f"f_{name}"],
-        )
-        for name in table_names(world_size)
-    ]
-    # Meta device: the unsharded module never allocates.
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return meta_ebc(table_names(world_size), rows, DIM)
 
 
 def make_plan(ebc: Any, kernel: str, world_size: int, flipped: bool) -> Any:
@@ -421,7 +416,7 @@ def run_fork(
         inflight = report.bytes_sent + report.bytes_received
         if cap is not None:
             inflight = min(inflight, cap)
-        bound = _new_local_bytes(module, report.tables_rebuilt) + inflight
+        bound = _new_local_bytes(module, report.tables_rebuilt.get("", [])) + inflight
         if rep >= args.warmup:
             times.append(s)
             peaks.append(peak.extra_bytes)
@@ -434,7 +429,7 @@ def run_fork(
                     "bytes_copied_locally": report.bytes_copied_locally,
                     "bytes_kept_in_place": report.bytes_kept_in_place,
                     "bytes_released": report.bytes_released,
-                    "tables_rebuilt": len(report.tables_rebuilt),
+                    "tables_rebuilt": len(report.tables_rebuilt.get("", [])),
                     "seconds": report.seconds,
                 }
             )
@@ -575,20 +570,8 @@ def worker(
                 f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}",
                 flush=True,
             )
-    gathered: List[Any] = [None] * ws
-    dist.all_gather_object(gathered, results, group=pg)
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(gathered, f)
-    dist.barrier(group=pg)
+    gather_to_json(results, out_path, pg)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port free on localhost now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def launch(
@@ -661,11 +644,6 @@ def summarise(
     return rows
 
 
-def fmt(x: Optional[float], spec: str) -> str:
-    """``x`` formatted with ``spec``, or "-" when there is none."""
-    return "-" if x is None else format(x, spec)
-
-
 def print_table(rows: List[Dict[str, Any]], header: str) -> str:
     lines = [header]
     cols = f"{'size MiB':>8} {'method':<10} {'min s':>8} {'median s':>8} {'x warm':>7} {'x fresh':>7} {'x ckpt':>7} {'peak MiB':>9} {'held MiB':>9} {'bound MiB':>9} {'moved MiB':>9} {'B/row':>6}"
@@ -731,6 +709,7 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="Benchmark live resharding of a ShardedEmbeddingBagCollection "
         "against the all_to_all_single floors and the checkpoint route.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -775,11 +754,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="max_inflight_bytes of fused_cap, MiB",
     )
     p.add_argument(
-        "--out-dir",
-        type=str,
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument(
         "--ckpt-dir",
         type=str,
         default=None,
@@ -791,7 +765,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="start new ranks for every (size, method) (automatic when /proc/self/clear_refs is not writable)",
     )
     p.add_argument("--timeout-s", type=int, default=1800, help="process group timeout")
-    p.add_argument("--no-plot", action="store_true")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     unknown = set(args.methods.split(",")) - set(ALL_METHODS)
@@ -839,28 +812,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     print()
     table = print_table(rows, "")
     bd = breakdown_text(rows)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "reshard_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "cores": cores,
-                "world_size": args.world_size,
-                "optimizer": args.optimizer,
-                "max_inflight_mib": args.max_inflight_mib,
-                "memory_method": how,
-                "rows": rows,
-                "table": table,
-                "breakdown": bd,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, stem + ".png", header[:160])
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "reshard_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "cores": cores,
+            "world_size": args.world_size,
+            "optimizer": args.optimizer,
+            "max_inflight_mib": args.max_inflight_mib,
+            "memory_method": how,
+            "rows": rows,
+            "table": table,
+            "breakdown": bd,
+        },
+        None if args.no_plot else lambda path: plot(rows, path, header[:160]),
+    )
 
 
 if __name__ == "__main__":

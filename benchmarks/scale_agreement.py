@@ -8,9 +8,9 @@
 # pyre-strict
 
 """
-How the store agreement's cost grows with the participants (issue 16, point
-2): N participants, each a thread with its own client connection to one local
-``TCPStore``, agree on per-table facts of 1,000 tables merged by union.
+How the store agreement's cost grows with the participants: N participants,
+each a thread with its own client connection to one local ``TCPStore``, agree
+on per-table facts of 1,000 tables merged by union.
 
 Facts: of the 1,000 tables (the mix of the scale benchmark), 60% are row-wise
 and 10% replicated, so every participant holds them; 20% are table-wise, on

@@ -9,9 +9,9 @@
 
 """
 How the cost of a reshard's planning and agreement grows with ranks and
-tables (issue 16): pure planner and store protocol, one process, no data.
+tables: pure planner and store protocol, one process, no data.
 
-Synthetic layouts, the mix of the issue: of T tables, 60% go row-wise from
+Synthetic layouts, a mix of jobs at scale: of T tables, 60% go row-wise from
 W/2 to W ranks, 20% move table-wise from a rank of the old group to a rank
 of the new one, 10% go column-wise from 2 to 4 shards, 10% go row-wise (W/2
 ranks) -> replicated (W ranks). The old group is ranks 0 .. W/2 - 1 of the
@@ -36,7 +36,7 @@ Measured per (T, W), in one run:
   marked so.
 
 And the store agreement (``scale_agreement.measure_agreement``, the
-other half of issue 16; the run fails if that module is missing): N
+other half of the scale story; the run fails if that module is missing): N
 participants as threads on one local ``TCPStore``, seconds and bytes
 through the store, and today's protocol where it ran.
 
@@ -50,7 +50,6 @@ Example::
 
 import argparse
 import gc
-import json
 import os
 import platform
 import random
@@ -61,6 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from common import fmt, output_arguments, save_results
 from torchrec.distributed.resharding.plan import (
     bytes_per_rank,
     PieceCost,
@@ -73,7 +73,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.test_utils.plan_layouts import reference_plan
 
-# Quoted from issue 16 (the old planner, every rank, same machine).
+# Measured with the whole-plan planner every rank used to run (same machine).
 ISSUE_TODAY = {
     (1000, 128): "7-11 s per rank",
     (1000, 1024): "486-622 s per rank",
@@ -363,13 +363,8 @@ def agreement_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def fmt(x: Optional[float], spec: str) -> str:
-    """``x`` formatted with ``spec``, or "-" when there is none."""
-    return "-" if x is None else format(x, spec)
-
-
 def targets_text(rows: List[Dict[str, Any]], agreement: List[Dict[str, Any]]) -> str:
-    lines = ["Targets (issue 16):"]
+    lines = ["Targets (the spec's planning and agreement budgets):"]
     big = [r for r in rows if r["tables"] == 1000 and r["world"] == 1024]
     if big:
         r = big[0]
@@ -515,6 +510,7 @@ def ints(text: str) -> List[int]:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        parents=[output_arguments()],
         description="How planning and agreement costs grow with ranks and tables.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -545,12 +541,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=3,
         help="agreements in a row per N (seconds: their median)",
     )
-    p.add_argument(
-        "--out-dir",
-        type=str,
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-    )
-    p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
 
 
@@ -609,11 +599,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     for r in rows:
         if r["today_issue"]:
             text.append(
-                f"  issue 16 measured today's planner at T={r['tables']} W={r['world']}: "
+                f"  the whole-plan planner measured at T={r['tables']} W={r['world']}: "
                 f"{r['today_issue']}"
             )
     text.append(
-        "  issue 16 measured today's planner at T=1000, 64 -> 128 ranks: 7-11 s per rank"
+        "  the whole-plan planner measured at T=1000, 64 -> 128 ranks: 7-11 s per rank"
     )
     text += ["", "Agreement (threads on one TCPStore):"]
     text.append(
@@ -622,23 +612,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     text += ["", targets_text(rows, agreement)]
     report = "\n".join(text)
     print(report, flush=True)
-    os.makedirs(args.out_dir, exist_ok=True)
-    stem = os.path.join(args.out_dir, "scale_benchmark")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "header": header,
-                "argv": sys.argv,
-                "rows": rows,
-                "agreement": agreement,
-                "report": report,
-            },
-            f,
-            indent=1,
-        )
-    if not args.no_plot:
-        plot(rows, agreement, stem + ".png", header)
-    print(f"\nwrote {stem}.json" + ("" if args.no_plot else f" and {stem}.png"))
+    save_results(
+        args.out_dir,
+        "scale_benchmark",
+        {
+            "header": header,
+            "argv": sys.argv,
+            "rows": rows,
+            "agreement": agreement,
+            "report": report,
+        },
+        None if args.no_plot else lambda path: plot(rows, agreement, path, header),
+    )
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@
 """
 Side by side: a stock torchrec release's own reshard against the fork on the
 same release (1.8.0 or 1.9.2, the bases of base.json that have upstream's
-own reshard; ``$TORCHREC_FORK_BASE`` selects it, default 1.8.0). Below,
-1.8.0 stands for either.
+own reshard; ``$TORCHREC_FORK_BASE`` selects it, else base.json's default).
+Below, 1.8.0 stands for either.
 
 Both sides run the same script, the same model and the same moves, through
 upstream's public API only::
@@ -88,27 +88,29 @@ from typing import Any, Dict, List, Optional, Tuple
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
+from common import fmt, free_port, meta_ebc, MiB  # noqa: E402 (the folder first)
 
 DIM = 128
 TABLES_PER_RANK = 4
 MOVED_PER_RANK = 2
-MiB = 1 << 20
 CHUNK_ROWS = 1 << 16
 BATCH_SIZE = 32
 IDS_PER_SAMPLE = 4
 
 
-def _selected_base() -> str:
-    """The version of the base the tools select (base.json, $TORCHREC_FORK_BASE)."""
+def _selected_base() -> Tuple[str, bool]:
+    """The version of the base the tools select (base.json, $TORCHREC_FORK_BASE)
+    and whether it is base.json's default."""
     sys.path.insert(0, str(REPO))
     from tools import forklib  # pyre-ignore[21]
 
-    return forklib.load_base(REPO).version
+    base = forklib.load_base(REPO)
+    return base.version, base.default
 
 
 #: The release compared: the base of base.json that $TORCHREC_FORK_BASE
 #: selects (else its default), one with upstream's own reshard (1.8.0, 1.9.2).
-BASE: str = _selected_base()
+BASE, _DEFAULT_BASE = _selected_base()
 
 SIDES = ["floor", "stock", "fork", "fork_copy"]
 SIDE_LABELS = {
@@ -121,7 +123,7 @@ SIDE_LABELS = {
 }
 MOVES = ["table_wise", "column_wise"]
 STOCK_VENV = REPO / f".venv-{BASE}-stock"
-FORK_VENV = REPO / f".venv-{BASE}"
+FORK_VENV = REPO / (".venv" if _DEFAULT_BASE else f".venv-{BASE}")
 STACK_PTH = "zz-torchrec-compare-stack.pth"
 
 
@@ -311,20 +313,7 @@ def make_ebc(rows: int, world_size: int) -> Any:
         Any: the unsharded EmbeddingBagCollection, on the meta device (it
         never allocates).
     """
-    import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    tables = [
-        EmbeddingBagConfig(
-            name=name,
-            embedding_dim=DIM,
-            num_embeddings=rows,
-            feature_names=[f"f_{name}"],
-        )
-        for name in table_names(world_size)
-    ]
-    return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    return meta_ebc(table_names(world_size), rows, DIM)
 
 
 def make_plan(ebc: Any, move: str, world_size: int, moved: bool) -> Any:
@@ -821,7 +810,7 @@ def run_side(args: argparse.Namespace) -> None:
         args (argparse.Namespace): the side's options.
     """
     import torch.multiprocessing as mp
-    from reshard_benchmark import free_port, reset_hwm  # pyre-ignore[21]
+    from reshard_benchmark import reset_hwm  # pyre-ignore[21]
 
     args.resettable = reset_hwm()
     if args.hash_seed != "random":
@@ -964,18 +953,6 @@ def summarise(
     }
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
-    """
-    Args:
-        x (Optional[float]): a number or None.
-        spec (str): a format spec.
-
-    Returns:
-        str: ``x`` formatted, or "-".
-    """
-    return "-" if x is None else format(x, spec)
-
-
 def checks_text(
     results: List[Optional[str]],
     directions: List[str],
@@ -1059,9 +1036,9 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
             w_cell = "WRONG"
         lines.append(
             f"{r['size_mib']:>8g} {r['move']:<11} {r['side']:<9} "
-            f"{_fmt(r['min_s'], '7.3f'):>7} {_fmt(r['median_s'], '8.3f'):>8} "
-            f"{_fmt(x_min, '6.2f'):>6} {_fmt(x_med, '6.2f'):>6} "
-            f"{_fmt(r['peak_mib'], '8.0f'):>8} {_fmt(r['held_mib'], '8.0f'):>8}  "
+            f"{fmt(r['min_s'], '7.3f'):>7} {fmt(r['median_s'], '8.3f'):>8} "
+            f"{fmt(x_min, '6.2f'):>6} {fmt(x_med, '6.2f'):>6} "
+            f"{fmt(r['peak_mib'], '8.0f'):>8} {fmt(r['held_mib'], '8.0f'):>8}  "
             f"{w_cell:<9} {checks_text(r['forward'], r['directions'], r['forward_warmup'])}"
             + (f"  FAILED: {r['error']}" if r["error"] else "")
         )

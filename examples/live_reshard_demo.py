@@ -58,10 +58,10 @@ from torchrec.distributed.planner import (
 )
 from torchrec.distributed.resharding import (
     dry_run,
-    ModelReshardReport,
     RebalancePolicy,
     Rebalancer,
     ReshardOptions,
+    TransactionReport,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -370,10 +370,10 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
     preview = dry_run(model, plan_b)  # moves nothing
     for path, tables in preview.tables_moved.items():
         say(f"phase 3/5 dry run: {path} would move {', '.join(tables)}")
-    for r in sorted(preview.bytes_sent):
+    for r in sorted(preview.bytes_sent_by_rank):
         say(
-            f"    rank {r}: would send {preview.bytes_sent[r]} B, "
-            f"receive {preview.bytes_received.get(r, 0)} B"
+            f"    rank {r}: would send {preview.bytes_sent_by_rank[r]} B, "
+            f"receive {preview.bytes_received_by_rank.get(r, 0)} B"
         )
 
     # Full weights and fused optimizer state, for the reference, right before.
@@ -383,7 +383,7 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
         exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
     )
     report = model.reshard(plan_b, options)
-    reports: List[ModelReshardReport] = [report] * dist.get_world_size()
+    reports: List[TransactionReport] = [report] * dist.get_world_size()
     dist.all_gather_object(reports, report)
     moved = sorted({t for r in reports for ts in r.tables_moved.values() for t in ts})
     say(f"phase 4/5 resharded live: tables moved: {', '.join(moved) or 'none'}")

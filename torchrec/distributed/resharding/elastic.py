@@ -19,7 +19,7 @@ union, by global rank):
 1. **agree**: the same request everywhere, the same groups, the same tables in
    the model and in the definitions the joining ranks pass; the old plan, the
    optimizer facts and the dense part travel once, from the old group's first
-   rank; ranks that stay state their runs of kept shards (``storage``);
+   rank; ranks that stay state their runs of kept shards (``kept_grouping``);
 2. **build**: every rank of ``G'`` builds a fresh ``DistributedModelParallel``
    over ``G'`` from the unsharded definition (ranks that stay derive it from
    their model), kernels uninitialised; on a rank that stays (CPU,
@@ -29,9 +29,11 @@ union, by global rank):
    table's pieces go from their old owners to their new ones (weights and
    fused optimizer state), then the dense parameters, buffers and the dense
    optimizer's state are broadcast from the old group's first rank;
+   and the new model's dense optimizer is made (``make_optimizer``) and
+   loaded with the old one's state;
 4. **commit**: the old model is released on every rank of ``G``, then the
    pages of departed tables in storage that kept shards share, where nobody
-   else references it.
+   else references it; nothing of it can fail.
 
 Until the commit the old model is untouched (kept shards are shared, never
 written): a failure raises on every rank and nothing is lost.
@@ -40,66 +42,63 @@ sharded model and plain modules on one rank.
 """
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
     dense_specs,
     MoveFacts,
-    plan_digest,
     plan_layouts,
     ranks_digest,
-    request_digest,
-    table_key,
     tables_digest,
     validate_new_plan,
 )
-from torchrec.distributed.resharding.exchange import ExchangeStats
-from torchrec.distributed.resharding.fields import piece_cost
-from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.kernel_state import batched_kernels, slot_io
+from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.kept_grouping import (
+    batch_keys,
+    direct_output_order,
+    kept_runs,
+    KeptGrouping,
+    KeptRun,
+    run_facts,
+)
+from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.resharding.model_view import (
     attached_to_pipeline,
     broadcast_dense,
     build_model,
     defined_tables,
     dense_tensors,
+    model_facts,
+    release_model,
     sharded_modules,
     sharded_slots,
-    sharded_tables,
     table_weights,
     unsharded_definition,
 )
-from torchrec.distributed.resharding.optimizer_state import (
-    apply_table_facts,
-    local_table_facts,
-)
+from torchrec.distributed.resharding.optimizer_state import apply_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    plan_rank_transfers,
     ReshardError,
     sharding_plan_text,
     TableLayout,
 )
 from torchrec.distributed.resharding.runner import (
-    ExchangePart,
+    described,
     Participant,
-    PhaseTimes,
     run_transaction,
+    Slots,
+    TransactionLayouts,
+    TransactionReport,
 )
 from torchrec.distributed.resharding.storage import (
-    batch_keys,
-    kept_runs,
-    KeptGrouping,
-    KeptRun,
     KeptStorage,
-    run_facts,
     storage_reuse_supported,
 )
 from torchrec.distributed.resharding.wire import ExchangeGroup
@@ -107,62 +106,6 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-
-def release_model(model: nn.Module) -> None:
-    """Releases a model's kernels and groups (``DistributedModelParallel``)."""
-    model._release()
-
-
-@dataclass
-class MoveReport:
-    """
-    What one rank did in a move between groups.
-
-    Args:
-        rank (int): global rank.
-        role (str): "stayed", "left" or "joined" (or "source" / "destination"
-            for :func:`shard_from_rank` / :func:`unshard_model`).
-        tables (int): tables moved.
-        bytes_sent (int): table bytes this rank sent to other ranks.
-        bytes_received (int): table bytes this rank received.
-        bytes_received_in_place (int): of ``bytes_received``, the bytes that
-            arrived straight in the new kernels' memory (not via a buffer).
-        bytes_copied_locally (int): table bytes that stayed on this rank and
-            were copied into the new model.
-        bytes_kept_in_place (int): table bytes that stayed on this rank in the
-            same storage: the new model's kernels took over the old ones'
-            memory (nothing copied, see ``storage``).
-        bytes_released (int): bytes of departed tables' state given back to
-            the OS from storage that kept tables share.
-        dense_bytes (int): bytes of dense parameters and buffers broadcast.
-        seconds (float): wall time on this rank.
-        phases (PhaseTimes): wall time of each phase of the transaction.
-    """
-
-    rank: int
-    role: str
-    tables: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_received_in_place: int = 0
-    bytes_copied_locally: int = 0
-    bytes_kept_in_place: int = 0
-    bytes_released: int = 0
-    dense_bytes: int = 0
-    seconds: float = 0.0
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-    def add_exchange(self, stats: ExchangeStats) -> None:
-        self.bytes_sent += stats.bytes_sent
-        self.bytes_received += stats.bytes_received
-        self.bytes_received_in_place += stats.bytes_received_in_place
-        self.bytes_copied_locally += stats.bytes_copied_locally
-        self.bytes_kept_in_place += stats.bytes_kept_in_place
-
-    def finish(self, phases: PhaseTimes) -> None:
-        self.phases = phases
-        self.seconds = phases.total
 
 
 @dataclass
@@ -175,40 +118,17 @@ class MovedModel:
             (None on a rank that left).
         optimizer (Optional[KeyedOptimizer]): the dense optimizer over the new
             model, with the old one's state (when ``make_optimizer`` was given).
-        report (MoveReport): what this rank did.
+        report (TransactionReport): what this rank did.
     """
 
     model: Optional[nn.Module]
     optimizer: Optional[KeyedOptimizer]
-    report: MoveReport
+    report: TransactionReport
 
     @property
     def left(self) -> bool:
         """Whether this rank left the model's group."""
         return self.model is None
-
-
-@dataclass
-class MoveDryRun:
-    """
-    What a move between groups would do, computed without building or moving
-    anything.
-
-    Args:
-        tables_moved (Dict[str, List[str]]): module path -> tables with a
-            piece that changes owner.
-        bytes_sent (Dict[int, int]): global rank -> table bytes it would send.
-        bytes_received (Dict[int, int]): global rank -> table bytes it would
-            receive.
-        dense_bytes (int): bytes of the dense part each receiver gets.
-        phases (PhaseTimes): the time the dry run took (its agreement).
-    """
-
-    tables_moved: Dict[str, List[str]]
-    bytes_sent: Dict[int, int]
-    bytes_received: Dict[int, int]
-    dense_bytes: int
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
 def _unchanged_tables(
@@ -267,7 +187,7 @@ def _shards_in_rank_order(plan: ShardingPlan) -> bool:
     return True
 
 
-class ModelMove(Participant):
+class ModelMove(Participant[MoveFacts, AgreedMove]):
     """
     This rank's part of moving a model between groups of ranks (see
     :func:`move_model` for the arguments).
@@ -281,12 +201,12 @@ class ModelMove(Participant):
         new_plan: ShardingPlan,
         new_env: Optional[ShardingEnv],
         participants: Sequence[int],
-        definition: Optional[nn.Module],
-        sharders: Optional[List[Any]],
-        optimizer: Optional[KeyedOptimizer],
-        make_optimizer: Optional[Callable[[nn.Module], KeyedOptimizer]],
-        device: Optional[torch.device],
-        options: ReshardOptions,
+        definition: Optional[nn.Module] = None,
+        sharders: Optional[List[Any]] = None,
+        optimizer: Optional[KeyedOptimizer] = None,
+        make_optimizer: Optional[Callable[[nn.Module], KeyedOptimizer]] = None,
+        device: Optional[torch.device] = None,
+        options: Optional[ReshardOptions] = None,
     ) -> None:
         self._model = model
         self._new_plan = new_plan
@@ -300,15 +220,17 @@ class ModelMove(Participant):
         if device is None:
             device = model.device if model is not None else torch.device("cpu")
         self._device: torch.device = device
-        self._options = options
+        self._options: ReshardOptions = options or ReshardOptions()
         self._runs: List[KeptRun] = []
         self._agreed: Optional[AgreedMove] = None
         self._old: Dict[str, TableLayout] = {}
         self._new: Dict[str, TableLayout] = {}
         self._hooks: Optional[KeptStorage] = None
         self._new_model: Optional[nn.Module] = None
-        self._dense_state: Optional[Dict[str, Any]] = None
-        self.report = MoveReport(self._me, "joined")
+        if model is not None:
+            self.role = "stayed" if new_env is not None else "left"
+        else:
+            self.role = "joined"
         self.new_optimizer: Optional[KeyedOptimizer] = None
 
     # ------------------------------------------------------------- the agree
@@ -316,12 +238,8 @@ class ModelMove(Participant):
     def ranks(self) -> List[int]:
         return self._union
 
-    def digest(self) -> int:
-        try:
-            text = sharding_plan_text(self._new_plan)
-        except Exception:  # not a plan: validation reports it
-            text = f"?{type(self._new_plan).__name__}"
-        return request_digest(self.kind, text, str(self._union))
+    def request(self) -> List[str]:
+        return [described(sharding_plan_text, self._new_plan), str(self._union)]
 
     def _index(self, rank: int) -> int:
         return self._union.index(rank)
@@ -329,37 +247,20 @@ class ModelMove(Participant):
     def prepare(self) -> MoveFacts:
         if self._me not in self._union:
             raise ReshardError(f"rank {self._me} calls but is not among {self._union}")
-        facts = MoveFacts()
         model = self._model
-        if model is not None:
-            self._model_facts(model, facts)
-            self.report.role = "left"
+        facts = self._model_facts(model) if model is not None else MoveFacts()
         if self._new_env is not None:
             self._new_group_facts(facts)
-            if model is not None:
-                self.report.role = "stayed"
         return facts
 
-    def _model_facts(self, model: nn.Module, facts: MoveFacts) -> None:
-        old_ranks = dist.get_process_group_ranks(model._env.process_group)
+    def _model_facts(self, model: nn.Module) -> MoveFacts:
+        facts = model_facts(model)
         modules = sharded_modules(model.module)
-        tables = {path: sharded_tables(m) for path, m in modules.items()}
-        facts.old_group = ranks_digest(old_ranks)
-        facts.plan = plan_digest(model.plan)
-        facts.model = tables_digest(tables)
-        facts.table_facts = {
-            path: local_table_facts(
-                adapter_for(m).lookups(), [t[0] for t in tables[path]]
-            )
-            for path, m in modules.items()
-        }
         facts.has_optimizer = self._optimizer is not None
         facts.pipelined = [p for p, m in modules.items() if attached_to_pipeline(m)]
-        if self._me == old_ranks[0]:
-            facts.old_ranks = old_ranks
-            facts.old_plan = model.plan
-            facts.tables = tables
+        if facts.old_ranks is not None:  # the old group's first rank
             facts.dense = dense_specs(dense_tensors(model.module))
+        return facts
 
     def _new_group_facts(self, facts: MoveFacts) -> None:
         assert self._new_env is not None
@@ -438,33 +339,17 @@ class ModelMove(Participant):
         )
         return agreed
 
-    def agreed(self, merged: AgreedMove) -> None:
+    def agreed(self, merged: AgreedMove) -> TransactionLayouts:
         self._agreed = merged
         self._layouts(
             merged.old_plan, merged.tables, merged.old_ranks, merged.new_ranks
         )
-
-    def dry_run(self) -> MoveDryRun:
-        agreed = self._agreed
-        assert agreed is not None
-        fields = agreed.fields()
-        sent = {r: 0 for r in self._union}
-        received = {r: 0 for r in self._union}
-        moved: Dict[str, List[str]] = {}
-        for key in sorted(self._new):
-            cost = {key: piece_cost(fields[key])}
-            table_sent, table_received = bytes_per_rank(
-                {key: self._old[key]}, {key: self._new[key]}, cost
-            )
-            for r, n in table_sent.items():
-                sent[self._union[r]] += n
-            for r, n in table_received.items():
-                received[self._union[r]] += n
-            if any(table_sent.values()):
-                path, _, table = key.rpartition(":")
-                moved.setdefault(path, []).append(table)
-        dense = sum(s.nbytes for s in agreed.dense)
-        return MoveDryRun(moved, sent, received, dense)
+        return TransactionLayouts(
+            self._old,
+            self._new,
+            merged.fields(),
+            dense_bytes=sum(s.nbytes for s in merged.dense),
+        )
 
     # ------------------------------------------------------------- the build
 
@@ -509,7 +394,14 @@ class ModelMove(Participant):
             )
         # kept shards got kernels of their own: outputs in the direct order
         for module in sharded_modules(self._new_model.module).values():
-            adapter_for(module).keep_direct_output_order()
+            adapter = adapter_for(module)
+            if adapter.positional_output:
+                infos = adapter.sharding_infos()
+                adapter.set_output_order(
+                    direct_output_order(
+                        [(sharding, infos[t]) for t, sharding, _ in adapter.groups()]
+                    )
+                )
 
     # ---------------------------------------------------------- the exchange
 
@@ -522,25 +414,20 @@ class ModelMove(Participant):
                     adapter_for(module).lookups(), agreed.table_facts[path]
                 )
 
-    def exchange_part(self) -> ExchangePart:
-        agreed = self._agreed
-        assert agreed is not None
-        old_slots = sharded_slots(self._model.module) if self._model is not None else {}
-        new_slots = (
-            sharded_slots(self._new_model.module) if self._new_model is not None else {}
+    def slots(self) -> Tuple[Slots, Slots]:
+        old = self._model.module if self._model is not None else None
+        new = self._new_model.module if self._new_model is not None else None
+        return (
+            sharded_slots(old) if old is not None else {},
+            sharded_slots(new) if new is not None else {},
         )
-        fields = agreed.fields()
-        plan = plan_rank_transfers(self._old, self._new, self._index(self._me))
-        self.report.tables = len(self._new)
-        return ExchangePart(plan, fields, slot_io(old_slots, new_slots, fields))
 
-    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup) -> None:
         agreed = self._agreed
         assert agreed is not None
-        self.report.add_exchange(stats)
         src = self._index(agreed.old_ranks[0])
         me = self._index(self._me)
-        self.report.dense_bytes = broadcast_dense(
+        broadcast_dense(
             agreed.dense,
             dense_tensors(self._model.module) if me == src else None,
             (
@@ -551,8 +438,9 @@ class ModelMove(Participant):
             src,
             group,
         )
+        dense_state = None
         if agreed.has_optimizer:
-            self._dense_state = group.broadcast_object(
+            dense_state = group.broadcast_object(
                 (
                     self._optimizer.state_dict()
                     if me == src and self._optimizer is not None
@@ -560,30 +448,34 @@ class ModelMove(Participant):
                 ),
                 src,
             )
+        # What can fail is done before the commit, while the old model is whole:
+        # the caller's optimizer factory and loading the old optimizer's state.
+        if self._new_model is not None and self._make_optimizer is not None:
+            optimizer = self._make_optimizer(self._new_model)
+            if dense_state is not None:
+                # a KeyedOptimizer loads state only into initialised state
+                optimizer.init_state()
+                optimizer.load_state_dict(dense_state)
+            self.new_optimizer = optimizer
 
     # ------------------------------------------------------ commit and abort
 
-    def commit(self) -> None:
+    def commit(self) -> int:
         if self._model is not None:
             release_model(self._model)
         hooks, new_model = self._hooks, self._new_model
         self._hooks = None
-        if hooks is not None and new_model is not None:
-            modules = sharded_modules(new_model.module)
-            self.report.bytes_released = hooks.release(nn.ModuleList(modules.values()))
-        del hooks
-        if new_model is not None and self._make_optimizer is not None:
-            self.new_optimizer = self._make_optimizer(new_model)
-            if self._dense_state is not None:
-                # a KeyedOptimizer loads state only into initialised state
-                self.new_optimizer.init_state()
-                self.new_optimizer.load_state_dict(self._dense_state)
+        if hooks is None or new_model is None:
+            return 0
+        modules = sharded_modules(new_model.module)
+        return hooks.release(nn.ModuleList(modules.values()))
 
     def abort(self) -> None:
         if self._new_model is not None:
             release_model(self._new_model)
         # the old model keeps its storage as it is: nothing of it is released
         self._new_model = None
+        self.new_optimizer = None
         self._hooks = None
         self._runs = []
 
@@ -649,7 +541,6 @@ def move_model(
         ReshardAbortedError: on every calling rank when a rank does not join
             in time or the move fails; the old model keeps its state.
     """
-    options = options or ReshardOptions()
     participant = ModelMove(
         model,
         new_plan,
@@ -662,24 +553,7 @@ def move_model(
         device,
         options,
     )
-    outcome = run_transaction(participant, options)
-    report = participant.report
-    report.finish(outcome.phases)
-    logger.info(
-        "model move rank %d (%s): %d tables, sent %d B, received %d B (%d B "
-        "straight into the new kernels), copied locally %d B, kept in place %d B,"
-        " dense %d B in %.3f s",
-        report.rank,
-        report.role,
-        report.tables,
-        report.bytes_sent,
-        report.bytes_received,
-        report.bytes_received_in_place,
-        report.bytes_copied_locally,
-        report.bytes_kept_in_place,
-        report.dense_bytes,
-        report.seconds,
-    )
+    report = run_transaction(participant, options)
     return MovedModel(participant.new_model, participant.new_optimizer, report)
 
 
@@ -691,34 +565,23 @@ def dry_run_move(
     definition: Optional[nn.Module] = None,
     sharders: Optional[List[Any]] = None,
     options: Optional[ReshardOptions] = None,
-) -> MoveDryRun:
+) -> TransactionReport:
     """
     The validation and agreement of :func:`move_model` (same arguments, every
     participant calls it), and exactly the bytes it would move, without
     building or moving anything.
 
     Returns:
-        MoveDryRun: the tables and bytes, the same on every rank.
+        TransactionReport: the tables whose layout changes, the dense bytes
+        and the bytes every rank would send and receive (global rank ->
+        bytes: ``bytes_sent_by_rank``, ``bytes_received_by_rank``), the same
+        on every rank.
 
     Raises:
         ReshardError: as :func:`move_model` would, before anything moves.
         ReshardAbortedError: when a rank does not join in time.
     """
-    options = options or ReshardOptions()
     participant = ModelMove(
-        model,
-        new_plan,
-        new_env,
-        participants,
-        definition,
-        sharders,
-        None,
-        None,
-        None,
-        options,
+        model, new_plan, new_env, participants, definition, sharders, options=options
     )
-    participant.kind = "dry_run_move"
-    outcome = run_transaction(participant, options, dry_run=True)
-    report = outcome.dry_run
-    report.phases = outcome.phases
-    return report
+    return run_transaction(participant, options, dry_run=True)

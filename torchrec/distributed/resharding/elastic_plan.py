@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torchrec.distributed.resharding.fields import Field, merge_table_facts, TableFacts
+from torchrec.distributed.resharding.fields import (
+    Field,
+    merge_table_facts,
+    table_key,
+    TableFacts,
+)
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     PlacedShard,
@@ -40,11 +45,6 @@ from torchrec.distributed.types import ShardingPlan
 
 # table of a module: (name, rows, columns)
 TableShape = Tuple[str, int, int]
-
-
-def table_key(path: str, table: str) -> str:
-    """The key of a table of a module across a move: "path:table"."""
-    return f"{path}:{table}"
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ class MoveFacts:
         has_optimizer (bool): a dense optimizer is passed (old group).
         pipelined (Optional[List[str]]): modules attached to a train pipeline.
         kept_runs (Optional[Dict[str, List[List[str]]]]): this rank's runs of
-            kept shards (``storage.run_facts``).
+            kept shards (``kept_grouping.run_facts``).
     """
 
     old_group: Optional[int] = None
@@ -194,7 +194,7 @@ class AgreedMove:
     table_facts: Dict[str, TableFacts]
     dense: List[DenseSpec]
     has_optimizer: bool
-    # module path -> table -> its batch key (``storage.batch_keys``)
+    # module path -> table -> its batch key (``kept_grouping.batch_keys``)
     batch_keys: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def transaction_ranks(self, group: Sequence[int]) -> List[int]:

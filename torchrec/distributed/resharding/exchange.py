@@ -48,8 +48,8 @@ from torchrec.distributed.resharding.wire import ExchangeGroup, Message
 class PieceIO(Protocol):
     """
     Where the executor reads the pieces a rank sends or copies, and writes the
-    pieces it receives or copies (implemented over a module's kernels by
-    ``kernel_state.SlotIO``, over plain modules by ``unshard``).
+    pieces it receives or copies (implemented by ``slots.SlotIO``, over a
+    module's kernels or over plain modules).
     """
 
     def resolve(self, transfer: Transfer, f: Field) -> torch.Tensor:

@@ -29,6 +29,11 @@ from torchrec.distributed.resharding.plan import PieceCost, Transfer
 WEIGHT = "weight"
 
 
+def table_key(path: str, table: str) -> str:
+    """The name of a module's table within a transaction: "path:table"."""
+    return f"{path}:{table}"
+
+
 class FieldKind(enum.Enum):
     """How a tensor that travels with a table follows the table's rectangles."""
 

@@ -11,7 +11,7 @@
 Building the sharding groups of a module after a reshard, detached from the
 module: the new sharding infos (grouped by sharding type, in the order the
 module's ``__init__`` uses), which groups change, and new shardings and lookups
-for those (under the reshard's kernel build hooks, see ``storage``). Groups the
+for those (under the reshard's kernel build hooks). Groups the
 reshard does not touch keep their sharding and lookup objects.
 """
 
@@ -22,7 +22,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.batched_embedding_kernel import (
+    kernel_build_hooks,
+    KernelBuildHooks,
+)
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import table_fused_params
 from torchrec.distributed.resharding.install import ShardedModuleAdapter
@@ -33,7 +36,6 @@ from torchrec.distributed.resharding.plan import (
     ReshardError,
     TableLayout,
 )
-from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 
@@ -174,7 +176,7 @@ def build_groups(
     rebuilt_types: Sequence[str],
     env: ShardingEnv,
     device: Optional[torch.device],
-    hooks: KeptStorage,
+    hooks: KernelBuildHooks,
 ) -> NewGroups:
     """
     New shardings and lookups for the rebuilt groups, built under the reshard's
@@ -187,7 +189,7 @@ def build_groups(
         rebuilt_types (Sequence[str]): sharding types whose group is rebuilt.
         env (ShardingEnv): the module's sharding environment.
         device (Optional[torch.device]): the module's device.
-        hooks (KeptStorage): the kernel build hooks.
+        hooks (KernelBuildHooks): the kernel build hooks.
 
     Returns:
         NewGroups: the groups, not installed.

@@ -12,7 +12,8 @@ The module-surgery half of live resharding: what the generic reshard (the
 transaction driver in ``transaction``) needs to know about one kind of sharded
 embedding module, as an abstract :class:`ShardedModuleAdapter`, and its
 implementation for ``ShardedEmbeddingBagCollection``
-(``ShardedEmbeddingCollection``'s is in ``install_ec``).
+(``ShardedEmbeddingCollection``'s is in ``install_ec``; ``adapters`` finds a
+module's).
 
 An adapter reads the module (its tables, plan, sharding groups and the state
 of its lookups), builds shardings for new groups and installs them through the
@@ -43,7 +44,6 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     validate_parameter_sharding,
 )
-from torchrec.distributed.resharding.storage import direct_output_order
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -57,7 +57,7 @@ COLLECTIVE_RELEASE_GRACE_S = 2.0
 class ShardedModuleAdapter(abc.ABC):
     """
     One kind of sharded embedding module, as live resharding sees it. A third
-    module type plugs in with a subclass (and an entry in ``adapter_for``).
+    module type plugs in with a subclass (and an entry in ``adapters``).
 
     Args:
         module (nn.Module): the sharded module.
@@ -148,22 +148,37 @@ class ShardedModuleAdapter(abc.ABC):
         """A new lookup as the module wraps it (DDP for data parallel)."""
         return self.module._wrap_data_parallel_lookup(sharding_type, lookup)
 
+    # Whether the module's output is read by position too (then it lists its
+    # outputs in the order of a module sharded directly under its plan,
+    # whatever kernels the tables that stayed put keep).
+    positional_output: bool = False
+
     def install(
         self,
         infos: Mapping[str, List[EmbeddingShardingInfo]],
         shardings: List[Any],
         lookups: List[nn.Module],
+        output_order: Optional[List[str]] = None,
     ) -> None:
-        """Installs the new groups through the module's own method."""
-        self.module._install_sharding_groups(dict(infos), shardings, lookups)
-        self.keep_direct_output_order()
-
-    def keep_direct_output_order(self) -> None:
         """
-        Has the module's forward list its outputs in the order of a module
-        sharded directly under its plan, whatever kernels the tables that
-        stayed put keep (see ``storage.direct_output_order``). Nothing to do
-        for a module whose output is keyed only (a dict).
+        Installs the new groups through the module's own method.
+
+        Args:
+            infos (Mapping[str, List[EmbeddingShardingInfo]]): the tables per
+                sharding type, in group order.
+            shardings (List[Any]): a sharding per group.
+            lookups (List[nn.Module]): a lookup per group.
+            output_order (Optional[List[str]]): the order the module lists its
+                outputs in (None: its groups' order).
+        """
+        self.module._install_sharding_groups(dict(infos), shardings, lookups)
+        self.set_output_order(output_order)
+
+    def set_output_order(self, order: Optional[List[str]]) -> None:
+        """
+        Has the module's forward list its outputs in ``order`` (None: its
+        groups' order). Nothing to do for a module whose output is keyed only
+        (a dict).
         """
 
     # ------------------------------------------------------------- validation
@@ -263,36 +278,9 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
             qcomm_codecs_registry=self.module.qcomm_codecs_registry,
         )
 
-    def keep_direct_output_order(self) -> None:
-        """
-        The pooled output (a KeyedTensor, read by position too) lists its
-        features as a module sharded directly under the plan does.
-        """
-        infos = self.sharding_infos()
-        order = direct_output_order(
-            [(sharding, infos[t]) for t, sharding, _ in self.groups()]
-        )
+    # the pooled output, a KeyedTensor, is read by position too
+    positional_output: bool = True
+
+    def set_output_order(self, order: Optional[List[str]]) -> None:
         if order is not None:
             self.module._set_output_key_order(order)
-
-
-def adapter_for(module: nn.Module) -> ShardedModuleAdapter:
-    """
-    Args:
-        module (nn.Module): a sharded embedding module.
-
-    Returns:
-        ShardedModuleAdapter: its adapter.
-
-    Raises:
-        ReshardError: for a module live resharding cannot move.
-    """
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-    from torchrec.distributed.resharding.install_ec import EmbeddingCollectionAdapter
-
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        return EmbeddingBagCollectionAdapter(module)
-    if isinstance(module, ShardedEmbeddingCollection):
-        return EmbeddingCollectionAdapter(module)
-    raise ReshardError(f"a module of type {type(module).__name__} cannot be resharded")

@@ -13,28 +13,20 @@ whole new ``ShardingPlan`` (as a planner produces it) as one transaction, and
 dry-run the delta between two plans.
 """
 
-import logging
-from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
+from torchrec.distributed.resharding.adapters import adapter_for
+from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import (
-    ReshardError,
-    sharding_plan_text,
-    text_digest,
+from torchrec.distributed.resharding.plan import ReshardError, sharding_plan_text
+from torchrec.distributed.resharding.runner import (
+    described,
+    run_transaction,
+    TransactionReport,
 )
-from torchrec.distributed.resharding.runner import PhaseTimes, run_transaction
-from torchrec.distributed.resharding.transaction import (
-    DryRunReport,
-    ModuleReshard,
-    ReshardReport,
-)
+from torchrec.distributed.resharding.transaction import ModuleReshard
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
-
-logger: logging.Logger = logging.getLogger(__name__)
 
 
 def plan_delta(
@@ -76,36 +68,6 @@ def plan_delta(
     return deltas
 
 
-@dataclass
-class ModelReshardReport:
-    """
-    What one rank did in a model-level reshard.
-
-    Args:
-        rank (int): group-local rank.
-        modules (Dict[str, ReshardReport]): per resharded module path.
-        seconds (float): wall time on this rank.
-        phases (PhaseTimes): wall time of each phase of the transaction.
-    """
-
-    rank: int
-    modules: Dict[str, ReshardReport] = field(default_factory=dict)
-    seconds: float = 0.0
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-    @property
-    def tables_moved(self) -> Dict[str, List[str]]:
-        return {p: r.tables_moved for p, r in self.modules.items() if r.tables_moved}
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(r.bytes_sent for r in self.modules.values())
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(r.bytes_received for r in self.modules.values())
-
-
 def _sharded_module(model: nn.Module, path: str) -> nn.Module:
     return model.module.get_submodule(path) if path else model.module
 
@@ -145,11 +107,8 @@ class ModelReshard(ModuleReshard):
             List[Tuple[str, ShardedModuleAdapter, Dict[str, ParameterSharding]]]
         ] = None
 
-    def digest(self) -> int:
-        try:
-            return text_digest(sharding_plan_text(self._new_plan))
-        except Exception:  # not a plan at all: validation reports it
-            return text_digest(f"?{type(self._new_plan).__name__}")
+    def request(self) -> List[str]:
+        return [described(sharding_plan_text, self._new_plan)]
 
     def requests(
         self,
@@ -167,7 +126,7 @@ class ModelReshard(ModuleReshard):
 
 def dry_run(
     model: nn.Module, new_plan: ShardingPlan, options: Optional[ReshardOptions] = None
-) -> DryRunReport:
+) -> TransactionReport:
     """
     Computes the delta between ``model.plan`` and ``new_plan`` and the bytes each
     rank would send and receive (weights and fused optimizer state), without
@@ -180,20 +139,19 @@ def dry_run(
         options (Optional[ReshardOptions]): how a reshard would run.
 
     Returns:
-        DryRunReport: the delta and the per-rank byte counts.
+        TransactionReport: the delta (``deltas``), the tables whose layout
+        changes and the bytes each rank would send and receive
+        (``bytes_sent_by_rank``, ``bytes_received_by_rank``).
     """
     options = options or ReshardOptions()
-    outcome = run_transaction(ModelReshard(model, new_plan, options), options, True)
-    report = outcome.dry_run
-    report.phases = outcome.phases
-    return report
+    return run_transaction(ModelReshard(model, new_plan, options), options, True)
 
 
 def reshard_model(
     model: nn.Module,
     new_plan: ShardingPlan,
     options: Optional[ReshardOptions] = None,
-) -> ModelReshardReport:
+) -> TransactionReport:
     """
     Moves every sharded module of ``model`` to its sharding in ``new_plan``, in
     place, as one transaction: every module is validated, agreed on (once) and
@@ -209,26 +167,12 @@ def reshard_model(
         options (Optional[ReshardOptions]): how to run.
 
     Returns:
-        ModelReshardReport: what this rank did.
+        TransactionReport: what this rank did.
 
     Raises:
         ReshardError: for a bad plan, on every rank, before any data moves.
         ReshardAbortedError: when a rank does not join or the exchange fails;
             every module keeps its old sharding.
     """
-    rank = dist.get_rank(model._env.process_group)
     options = options or ReshardOptions()
-    participant = ModelReshard(model, new_plan, options)
-    phases = run_transaction(participant, options).phases
-    report = ModelReshardReport(rank, participant.reports(phases), phases.total, phases)
-    logger.info(
-        "model reshard rank %d: %d modules, tables %s, sent %d B, received %d B "
-        "in %.3f s",
-        rank,
-        len(report.modules),
-        report.tables_moved,
-        report.bytes_sent,
-        report.bytes_received,
-        report.seconds,
-    )
-    return report
+    return run_transaction(ModelReshard(model, new_plan, options), options)

@@ -17,27 +17,36 @@ a model whose every byte is moved in.
 
 import contextlib
 import copy
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import kernel_build_hooks
+from torchrec.distributed.batched_embedding_kernel import (
+    kernel_build_hooks,
+    KernelBuildHooks,
+)
 from torchrec.distributed.embedding_types import (
     sharding_build_hooks,
     ShardingBuildHooks,
 )
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     DenseSpec,
-    table_key,
+    MoveFacts,
+    plan_digest,
+    ranks_digest,
+    tables_digest,
     TableShape,
 )
-from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.kernel_state import keyed_slots, LocalSlot, SlotKey
+from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.optimizer_state import local_table_facts
 from torchrec.distributed.resharding.plan import ReshardError
-from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.slots import keyed_slots, LocalSlot, SlotKey
 from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -71,12 +80,7 @@ def model_sharders(model: nn.Module) -> List[Any]:
 
 def plain_tables(module: nn.Module) -> List[TableShape]:
     """The tables of an unsharded EmbeddingBagCollection / EmbeddingCollection."""
-    configs = (
-        module.embedding_bag_configs()
-        if isinstance(module, EmbeddingBagCollection)
-        else module.embedding_configs()
-    )
-    return [(c.name, c.num_embeddings, c.embedding_dim) for c in configs]
+    return [(c.name, c.num_embeddings, c.embedding_dim) for c in plain_configs(module)]
 
 
 def sharded_tables(module: nn.Module) -> List[TableShape]:
@@ -289,10 +293,8 @@ def _tables_not_initialised(definition: nn.Module) -> Iterator[None]:
     """
     configs: List[Any] = []
     for module in definition.modules():
-        if isinstance(module, EmbeddingBagCollection):
-            configs += module.embedding_bag_configs()
-        elif isinstance(module, EmbeddingCollection):
-            configs += module.embedding_configs()
+        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+            configs += plain_configs(module)
     saved = [(config, config.init_fn) for config in configs]
     try:
         for config in configs:
@@ -309,7 +311,7 @@ def build_model(
     plan: ShardingPlan,
     sharders: Optional[List[Any]],
     device: torch.device,
-    hooks: Optional[KeptStorage] = None,
+    hooks: KernelBuildHooks,
     sharding_hooks: Optional[ShardingBuildHooks] = None,
 ) -> nn.Module:
     """
@@ -323,8 +325,8 @@ def build_model(
         plan (ShardingPlan): its plan (copied).
         sharders (Optional[List[Any]]): the sharders (None: TorchRec's).
         device (torch.device): the model's device.
-        hooks (Optional[KeptStorage]): the kernel build hooks (default: no
-            initialisation).
+        hooks (KernelBuildHooks): the kernel build hooks (e.g. none that
+            initialise: every byte is moved in).
         sharding_hooks (Optional[ShardingBuildHooks]): the sharding build
             hooks (default: TorchRec's defaults).
 
@@ -333,7 +335,6 @@ def build_model(
     """
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    hooks = hooks if hooks is not None else KeptStorage()
     sharding_hooks = (
         sharding_hooks if sharding_hooks is not None else ShardingBuildHooks()
     )
@@ -349,3 +350,60 @@ def build_model(
             plan=copy.deepcopy(plan),
             sharders=sharders,
         )
+
+
+def release_model(model: nn.Module) -> None:
+    """Releases a model's kernels and groups (``DistributedModelParallel``)."""
+    model._release()
+
+
+def model_facts(model: nn.Module) -> MoveFacts:
+    """
+    What a rank holding a model states in a move: digests of its group, plan
+    and tables and the facts of its table shards; the group's first rank adds
+    the group, the plan and the tables themselves.
+
+    Args:
+        model (DistributedModelParallel): the model.
+
+    Returns:
+        MoveFacts: the facts (the move adds its own).
+    """
+    ranks = dist.get_process_group_ranks(model._env.process_group)
+    modules = sharded_modules(model.module)
+    tables = {path: sharded_tables(m) for path, m in modules.items()}
+    facts = MoveFacts(
+        old_group=ranks_digest(ranks),
+        plan=plan_digest(model.plan),
+        model=tables_digest(tables),
+        table_facts={
+            path: local_table_facts(
+                adapter_for(m).lookups(), [name for name, _, _ in tables[path]]
+            )
+            for path, m in modules.items()
+        },
+    )
+    if dist.get_rank() == ranks[0]:
+        facts.old_ranks = ranks
+        facts.old_plan = model.plan
+        facts.tables = tables
+    return facts
+
+
+def plain_configs(module: nn.Module) -> List[Any]:
+    """The table configs of an unsharded EBC / EC, in module order."""
+    if isinstance(module, EmbeddingBagCollection):
+        return module.embedding_bag_configs()
+    return module.embedding_configs()
+
+
+def plain_weight_dtypes(
+    definition: nn.Module, tables: Mapping[str, Sequence[TableShape]]
+) -> List[Tuple[str, str, torch.dtype]]:
+    """(module path, table, the dtype its weight travels in) of every table."""
+    out = []
+    for path, shapes in sorted(tables.items()):
+        configs = {c.name: c for c in plain_configs(definition.get_submodule(path))}
+        for name, _, _ in shapes:
+            out.append((path, name, data_type_to_dtype(configs[name].data_type)))
+    return out

@@ -8,63 +8,110 @@
 # pyre-strict
 
 """
-The one transaction runner of live resharding.
+The one transaction runner of live resharding: it plans, moves and reports.
 
 Every way of moving tables — a reshard within a process group
 (``transaction``), a move onto another set of ranks (``elastic``), an unshard
 onto one rank and a shard from one rank (``unshard``) — is a
-:class:`Participant`: this rank's part of one transaction. The runner takes
-every participant through the same phases, each under
+:class:`Participant`: this rank's part of one transaction. A participant
+states what it has and what it wants, and how to build, commit and abort; the
+runner takes every participant through the same phases, each under
 ``torch.profiler.record_function`` and timed into the report:
 
 1. **agree**: the participant validates the request and states its local facts
    (:meth:`Participant.prepare`); the ranks agree on the job's store (one
    coordinator merges the facts, :meth:`Participant.merge`, and decides); a bad
    request raises the same :class:`ReshardError` on every rank, a rank that
-   does not come :class:`ReshardAbortedError`, before anything is built;
+   does not come :class:`ReshardAbortedError`, before anything is built. Every
+   participant then states the same :class:`TransactionLayouts`: the old and
+   new layout of every table in the transaction's rank numbering, and the
+   fields that travel with it (:meth:`Participant.agreed`). A dry run stops
+   here and counts the bytes every rank would send and receive;
 2. **build**: the participant builds what the new layout needs, detached from
    what runs now (:meth:`Participant.build`); the ranks agree again that every
    rank built;
-3. **exchange**: on a process group made for the transaction, the one
-   executor (``exchange.execute_transfers``) fills the new shards from the old
-   ones; then whatever else travels (:meth:`Participant.after_exchange`); a
-   barrier: nobody commits before everybody filled;
+3. **exchange**: on a process group made for the transaction, the runner plans
+   this rank's part (``plan.plan_rank_transfers``) and the one executor
+   (``exchange.execute_transfers``) fills the participant's new slots from its
+   old ones (:meth:`Participant.slots`, read and written by ``slots.slot_io``);
+   then whatever else travels (:meth:`Participant.after_exchange`), and
+   everything else that can fail before the swap; a barrier: nobody commits
+   before everybody filled;
 4. **commit**: the participant swaps the new state in
    (:meth:`Participant.commit`), which does nothing that can fail.
 
 A failure anywhere before the commit calls :meth:`Participant.abort` (the one
-abort path) and leaves what runs exactly as it was. A dry run stops after the
-first agreement.
+abort path) and leaves what runs exactly as it was. Every kind of transaction
+returns one :class:`TransactionReport`.
 """
 
 import abc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generic,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
-from torchrec.distributed.resharding.exchange import (
-    ExchangeStats,
-    execute_transfers,
-    PieceIO,
-)
-from torchrec.distributed.resharding.fields import Field
+from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
+from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
-    RankPlan,
+    bytes_per_rank,
+    plan_rank_transfers,
     ReshardAbortedError,
     ReshardError,
+    TableLayout,
+    text_digest,
 )
+from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
 from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
+from torchrec.distributed.types import ParameterSharding
 
 logger: logging.Logger = logging.getLogger(__name__)
 
 PHASES = ("agree", "build", "exchange", "commit")
+
+FactsT = TypeVar("FactsT")
+MergedT = TypeVar("MergedT")
+Slots = Mapping[SlotKey, LocalSlot]
+
+
+def _split_key(key: str) -> Tuple[str, str]:
+    path, _, table = key.rpartition(":")
+    return path, table
+
+
+def described(render: Callable[[Any], str], value: Any) -> str:
+    """
+    A part of a request as canonical text: ``render(value)``, or the value's
+    type for a value that is not what it should be (validation reports it).
+
+    Args:
+        render (Callable[[Any], str]): the canonical text of a good value.
+        value (Any): what the caller passed.
+
+    Returns:
+        str: its text, the same on every rank for equal values.
+    """
+    try:
+        return render(value)
+    except Exception:  # not what it should be: validation reports it
+        return f"?{type(value).__name__}"
 
 
 @dataclass(frozen=True)
@@ -91,64 +138,111 @@ class PhaseTimes:
 
 
 @dataclass(frozen=True)
-class ExchangePart:
+class TransactionLayouts:
     """
-    What this rank gives the executor.
+    What a transaction moves, stated alike by every participant once the ranks
+    agreed.
 
     Args:
-        plan (RankPlan): this rank's sends, receives and local copies, ranks
-            numbered as the transaction's participants.
-        fields (Mapping[str, Sequence[Field]]): the fields of every planned
-            table, the same on every rank.
-        io (PieceIO): where pieces are read and written.
+        old (Mapping[str, TableLayout]): "path:table" -> its layout before, in
+            the transaction's ranks (positions in :meth:`Participant.ranks`).
+        new (Mapping[str, TableLayout]): "path:table" -> its layout after; the
+            tables the transaction plans, in order.
+        fields (Mapping[str, Sequence[Field]]): the fields that travel with
+            each planned table.
+        dense_bytes (int): bytes of the dense (replicated) part each rank of
+            the new layout receives besides.
     """
 
-    plan: RankPlan
+    old: Mapping[str, TableLayout]
+    new: Mapping[str, TableLayout]
     fields: Mapping[str, Sequence[Field]]
-    io: PieceIO
+    dense_bytes: int = 0
 
 
-@dataclass(frozen=True)
-class Outcome:
+@dataclass
+class TransactionReport(ExchangeStats):
     """
-    What the runner did on this rank.
+    What one rank did in a transaction of any kind, or, from a dry run, what
+    every rank would move. The byte counts of :class:`ExchangeStats` are what
+    this rank moved (none in a dry run).
 
     Args:
-        phases (PhaseTimes): time per phase.
-        exchange (ExchangeStats): what the executor moved (empty for a dry run).
-        dry_run (Any): the participant's dry-run report, for a dry run.
+        kind (str): "reshard", "move", "unshard" or "shard_from_rank".
+        rank (int): this rank's global rank.
+        role (str): this rank's part ("member" of a reshard; "stayed", "left"
+            or "joined" in a move; "source" or "destination" in an unshard or
+            a shard from one rank).
+        dry_run (bool): nothing was built or moved.
+        phases (PhaseTimes): wall time of each phase on this rank.
+        tables_moved (Dict[str, List[str]]): module path -> its tables whose
+            layout changes (the same on every rank).
+        tables_rebuilt (Dict[str, List[str]]): module path -> its tables the
+            transaction plans and rebuilds.
+        tables_kept_in_place (Dict[str, List[str]]): module path -> its tables
+            of which a shard of this rank kept its storage (nothing copied),
+            once per shard.
+        bytes_released (int): bytes of departed tables' state given back to
+            the OS from storage that kept shards share.
+        dense_bytes (int): bytes of the dense part each receiving rank gets.
+        bytes_sent_by_rank (Dict[int, int]): from a dry run: global rank ->
+            table bytes it would send.
+        bytes_received_by_rank (Dict[int, int]): from a dry run: global rank
+            -> table bytes it would receive.
+        deltas (Optional[Dict[str, Dict[str, ParameterSharding]]]): the facts
+            of a reshard: module path -> its changed tables and their new
+            sharding (None for the other kinds).
     """
 
-    phases: PhaseTimes
-    exchange: ExchangeStats
-    dry_run: Any = None
+    kind: str = ""
+    rank: int = 0
+    role: str = "member"
+    dry_run: bool = False
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
+    tables_rebuilt: Dict[str, List[str]] = field(default_factory=dict)
+    tables_kept_in_place: Dict[str, List[str]] = field(default_factory=dict)
+    bytes_released: int = 0
+    dense_bytes: int = 0
+    bytes_sent_by_rank: Dict[int, int] = field(default_factory=dict)
+    bytes_received_by_rank: Dict[int, int] = field(default_factory=dict)
+    deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
+
+    @property
+    def seconds(self) -> float:
+        """Wall time of the transaction on this rank."""
+        return self.phases.total
 
 
-class Participant(abc.ABC):
+class Participant(abc.ABC, Generic[FactsT, MergedT]):
     """
     This rank's part of one transaction; subclassed by each kind of move. Every
     rank of :meth:`ranks` runs the same kind with the same request.
     """
 
     kind: str = "transaction"
+    role: str = "member"
 
     @abc.abstractmethod
     def ranks(self) -> List[int]:
         """The participants' global ranks; their order numbers the transaction."""
 
     @abc.abstractmethod
-    def digest(self) -> int:
-        """A digest of the request, equal on every rank for equal requests."""
+    def request(self) -> List[str]:
+        """
+        The request as canonical text, equal on every rank for equal requests
+        (values validation may refuse go through :func:`described`).
+        """
 
     @abc.abstractmethod
-    def prepare(self) -> Any:
+    def prepare(self) -> FactsT:
         """
         Validates the request on this rank (raising :class:`ReshardError`)
         and returns the facts the others need (picklable, bounded by this
         rank's own part).
         """
 
-    def merge(self, facts: Sequence[Any]) -> Any:
+    def merge(self, facts: Sequence[FactsT]) -> Optional[MergedT]:
         """
         Run by the coordinator only: every participant's facts (by index) to
         what everyone needs, as large as the request rather than the world;
@@ -157,12 +251,11 @@ class Participant(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def agreed(self, merged: Any) -> None:
-        """Everyone: takes the merged facts (pure, deterministic)."""
-
-    def dry_run(self) -> Any:
-        """What the transaction would do, once agreed (nothing is built)."""
-        return None
+    def agreed(self, merged: MergedT) -> TransactionLayouts:
+        """
+        Everyone: takes the merged facts (pure, deterministic) and states
+        what the transaction moves, the same on every rank.
+        """
 
     @abc.abstractmethod
     def build(self) -> None:
@@ -172,19 +265,31 @@ class Participant(abc.ABC):
         """Collectives the built state needs before it is filled."""
 
     @abc.abstractmethod
-    def exchange_part(self) -> ExchangePart:
-        """This rank's part of the plan, with the fields and the IO."""
+    def slots(self) -> Tuple[Slots, Slots]:
+        """This rank's old and new shards, keyed by "path:table" and rectangle."""
 
-    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
-        """What else travels once the shards are filled (e.g. dense state)."""
+    def after_exchange(self, group: ExchangeGroup) -> None:
+        """
+        What else travels once the shards are filled (e.g. dense state), and
+        whatever else can fail: the commit cannot.
+        """
 
     @abc.abstractmethod
-    def commit(self) -> None:
-        """Swaps the new state in; must not fail."""
+    def commit(self) -> int:
+        """
+        Swaps the new state in; must not fail.
+
+        Returns:
+            int: bytes of departed tables' state given back to the OS.
+        """
 
     @abc.abstractmethod
     def abort(self) -> None:
         """Drops what was built; what runs stays as it was."""
+
+    def deltas(self) -> Optional[Dict[str, Dict[str, ParameterSharding]]]:
+        """A reshard's changed tables per module path, for the report."""
+        return None
 
     def device(self) -> torch.device:
         """Where the exchange buffers live."""
@@ -250,10 +355,10 @@ def _progress_bar(enabled: bool) -> Optional[Callable[[int, int], None]]:
 
 
 def run_transaction(
-    participant: Participant,
+    participant: Participant[Any, Any],
     options: Optional[ReshardOptions] = None,
     dry_run: bool = False,
-) -> Outcome:
+) -> TransactionReport:
     """
     Takes this rank's participant through agree, build, exchange and commit.
     Every rank of ``participant.ranks()`` calls it for the same request.
@@ -261,10 +366,11 @@ def run_transaction(
     Args:
         participant (Participant): this rank's part.
         options (Optional[ReshardOptions]): cap, timeout, progress.
-        dry_run (bool): stop after the first agreement.
+        dry_run (bool): stop after the first agreement and count the bytes
+            every rank would move.
 
     Returns:
-        Outcome: the phase times, what moved, and the dry-run report.
+        TransactionReport: what this rank did (what every rank would move).
 
     Raises:
         ReshardError: on every rank, before anything is built, for a bad
@@ -275,8 +381,9 @@ def run_transaction(
     options = options or ReshardOptions()
     timeout = options.exchange_timeout or default_timeout()
     ranks = participant.ranks()
-    clock = _Clock(participant.kind)
-    digest = participant.digest()
+    kind = f"{participant.kind} dry run" if dry_run else participant.kind
+    clock = _Clock(kind)
+    digest = text_digest("\n".join([kind, *participant.request()]))
 
     with clock.phase("agree"):
         facts, error = None, None
@@ -287,9 +394,11 @@ def run_transaction(
         agreement = agree_among_ranks(
             ranks, digest, error, facts, timeout, merge=participant.merge
         )
-        participant.agreed(agreement.merged)
+        layouts = participant.agreed(agreement.merged)
+    report = _report(participant, layouts, dry_run)
     if dry_run:
-        return Outcome(clock.times(), ExchangeStats(), participant.dry_run())
+        _count_dry_run(report, layouts, ranks)
+        return _finish(report, clock)
 
     with clock.phase("build"):
         error = None
@@ -304,20 +413,101 @@ def run_transaction(
             raise
 
     with clock.phase("exchange"):
-        stats = _exchange(participant, ranks, built.transaction, timeout, options)
-
+        stats, kept = _exchange(
+            participant, layouts, ranks, built.transaction, timeout, options
+        )
+    _count_exchange(report, stats, kept)
     with clock.phase("commit"):
-        participant.commit()
-    return Outcome(clock.times(), stats)
+        report.bytes_released = participant.commit()
+    return _finish(report, clock)
+
+
+def _by_module(keys: Sequence[str]) -> Dict[str, List[str]]:
+    """Per module path, the tables of "path:table" keys, in order."""
+    out: Dict[str, List[str]] = {}
+    for key in keys:
+        path, table = _split_key(key)
+        out.setdefault(path, []).append(table)
+    return out
+
+
+def _report(
+    participant: Participant[Any, Any], layouts: TransactionLayouts, dry_run: bool
+) -> TransactionReport:
+    """The report of what the agreed transaction plans."""
+    return TransactionReport(
+        kind=participant.kind,
+        rank=dist.get_rank(),
+        role=participant.role,
+        dry_run=dry_run,
+        tables_moved=_by_module(
+            [k for k, new in layouts.new.items() if layouts.old[k] != new]
+        ),
+        tables_rebuilt=_by_module(list(layouts.new)),
+        dense_bytes=layouts.dense_bytes,
+        deltas=participant.deltas(),
+    )
+
+
+def _count_dry_run(
+    report: TransactionReport, layouts: TransactionLayouts, ranks: Sequence[int]
+) -> None:
+    """The bytes every rank would send and receive, without the transfers."""
+    costs = {key: piece_cost(fields) for key, fields in layouts.fields.items()}
+    sent, received = bytes_per_rank(layouts.old, layouts.new, costs)
+    report.bytes_sent_by_rank = {g: sent.get(i, 0) for i, g in enumerate(ranks)}
+    report.bytes_received_by_rank = {
+        g: received.get(i, 0) for i, g in enumerate(ranks)
+    }
+
+
+def _count_exchange(
+    report: TransactionReport, stats: ExchangeStats, kept: Sequence[SlotKey]
+) -> None:
+    """What the executor moved on this rank, and which shards kept storage."""
+    for name in ExchangeStats.__dataclass_fields__:
+        setattr(report, name, getattr(stats, name))
+    report.tables_kept_in_place = _by_module(
+        [key for key, _ in sorted(kept, key=str)]
+    )
+
+
+def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
+    report.phases = clock.times()
+    logger.info(
+        "%s%s rank %d (%s): moved %s, rebuilt %d tables, sent %d B, received %d B "
+        "(%d B in place), copied locally %d B, kept in place %d B, released %d B, "
+        "dense %d B in %.3f s (agree %.3f, build %.3f, exchange %.3f, commit %.3f)",
+        report.kind,
+        " dry run" if report.dry_run else "",
+        report.rank,
+        report.role,
+        report.tables_moved,
+        sum(len(tables) for tables in report.tables_rebuilt.values()),
+        report.bytes_sent,
+        report.bytes_received,
+        report.bytes_received_in_place,
+        report.bytes_copied_locally,
+        report.bytes_kept_in_place,
+        report.bytes_released,
+        report.dense_bytes,
+        report.seconds,
+        report.phases.agree,
+        report.phases.build,
+        report.phases.exchange,
+        report.phases.commit,
+    )
+    return report
 
 
 def _exchange(
-    participant: Participant,
+    participant: Participant[Any, Any],
+    layouts: TransactionLayouts,
     ranks: Sequence[int],
     transaction: str,
     timeout: timedelta,
     options: ReshardOptions,
-) -> ExchangeStats:
+) -> Tuple[ExchangeStats, List[SlotKey]]:
     me = dist.get_rank()
     try:
         group = open_exchange_group(ranks, transaction, timeout, participant.device())
@@ -331,18 +521,20 @@ def _exchange(
         ) from e
     try:
         participant.before_exchange(group)
-        part = participant.exchange_part()
+        plan = plan_rank_transfers(layouts.old, layouts.new, ranks.index(me))
+        io = slot_io(*participant.slots(), layouts.fields)
         stats = execute_transfers(
-            part.plan,
-            part.fields,
-            part.io,
+            plan,
+            layouts.fields,
+            io,
             group,
             options.max_inflight_bytes,
             participant.device(),
             _progress_bar(options.progress and ranks[0] == me),
         )
-        del part
-        participant.after_exchange(group, stats)
+        kept = list(io.in_place)
+        del io  # nothing of the transaction holds the old slots at the commit
+        participant.after_exchange(group)
         # Nobody commits before everybody filled its new state.
         group.barrier()
     except Exception as e:
@@ -353,4 +545,4 @@ def _exchange(
             f"({type(e).__name__}: {e}); {participant.unchanged()}"
         ) from e
     group.close()
-    return stats
+    return stats, kept

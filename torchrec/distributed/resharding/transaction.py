@@ -18,10 +18,11 @@ model, moved to new shardings as one transaction of the runner (``runner``).
   (as large as the tables) and gives the runs their batch keys;
 * **build**: the groups that change are built, detached from the module,
   under the transaction's kernel build hooks (``storage``: no initialisation;
-  runs of kept shards keep their storage);
-* **exchange**: this rank's part of the plan (``plan.plan_rank_transfers``):
-  local pieces are copied, the others travel straight into the new kernels'
-  weights and fused optimizer state;
+  runs of kept shards keep their storage, ``kept_grouping``), and the order
+  in which each module will list its outputs;
+* **exchange**: the runner plans this rank's part; local pieces are copied,
+  the others travel straight into the new kernels' weights and fused
+  optimizer state;
 * **commit**: each module installs its new groups with its own method; the old
   kernels are retired and their storage released where nobody else can see it.
 
@@ -30,19 +31,18 @@ Until the commit no module is touched: a bad request raises
 and every module is left exactly as it was.
 """
 
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.fields import (
-    Field,
     merge_table_facts,
-    piece_cost,
+    table_key,
     TableFacts,
 )
 from torchrec.distributed.resharding.groups import (
@@ -56,116 +56,46 @@ from torchrec.distributed.resharding.groups import (
     retire_kernels,
     wrap_new_lookups,
 )
-from torchrec.distributed.resharding.install import adapter_for, ShardedModuleAdapter
-from torchrec.distributed.resharding.kernel_state import (
-    batched_kernels,
-    keyed_slots,
-    slot_io,
+from torchrec.distributed.resharding.install import ShardedModuleAdapter
+from torchrec.distributed.resharding.kept_grouping import (
+    batch_keys,
+    direct_output_order,
+    kept_runs,
+    KeptBatchKey,
+    KeptGrouping,
+    KeptRun,
+    key_rebuilt_groups,
+    run_facts,
+    user_batch_key,
 )
+from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
 )
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
     delta_digest,
     layout_from_parameter_sharding,
     MOVABLE_COMPUTE_KERNELS,
-    plan_rank_transfers,
-    RankPlan,
     ReshardError,
     TableLayout,
-    text_digest,
 )
 from torchrec.distributed.resharding.runner import (
-    ExchangePart,
+    described,
     Participant,
-    PhaseTimes,
     run_transaction,
+    Slots,
+    TransactionLayouts,
+    TransactionReport,
 )
+from torchrec.distributed.resharding.slots import keyed_slots
 from torchrec.distributed.resharding.storage import (
-    batch_keys,
-    kept_runs,
-    KeptBatchKey,
-    KeptGrouping,
-    KeptRun,
     KeptStorage,
-    key_rebuilt_groups,
-    run_facts,
     storage_reuse_supported,
-    user_batch_key,
 )
 from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
-
-logger: logging.Logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ReshardReport:
-    """
-    What one rank did (or, from a dry run, would do) for one module.
-
-    Args:
-        rank (int): group-local rank.
-        tables_moved (List[str]): tables whose layout changed.
-        tables_rebuilt (List[str]): tables whose lookup was rebuilt (moved
-            tables plus tables sharing a rebuilt group).
-        bytes_sent (int): bytes this rank sent to other ranks.
-        bytes_received (int): bytes this rank received from other ranks.
-        bytes_copied_locally (int): bytes of pieces that stayed on this rank.
-        tables_kept_in_place (List[str]): tables of rebuilt groups that kept
-            this rank's storage (nothing copied, see ``storage``).
-        bytes_kept_in_place (int): bytes of those tables on this rank.
-        bytes_released (int): bytes of departed tables given back to the OS.
-        seconds (float): wall time of the reshard on this rank.
-        phases (PhaseTimes): wall time of each phase of the transaction.
-    """
-
-    rank: int
-    tables_moved: List[str] = field(default_factory=list)
-    tables_rebuilt: List[str] = field(default_factory=list)
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    bytes_copied_locally: int = 0
-    tables_kept_in_place: List[str] = field(default_factory=list)
-    bytes_kept_in_place: int = 0
-    bytes_released: int = 0
-    seconds: float = 0.0
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-
-@dataclass
-class DryRunReport:
-    """
-    What a reshard would move, computed without building or moving anything.
-
-    Args:
-        deltas (Dict[str, Dict[str, ParameterSharding]]): per module path, the
-            changed tables with their new sharding.
-        bytes_sent (Dict[int, int]): per rank, bytes it would send.
-        bytes_received (Dict[int, int]): per rank, bytes it would receive.
-        tables_moved (Dict[str, List[str]]): per module path, the tables whose
-            layout changes.
-        phases (PhaseTimes): the time the dry run took (its agreement).
-    """
-
-    deltas: Dict[str, Dict[str, ParameterSharding]]
-    bytes_sent: Dict[int, int]
-    bytes_received: Dict[int, int]
-    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-    @property
-    def tables(self) -> Dict[str, List[str]]:
-        return {path: sorted(delta) for path, delta in self.deltas.items()}
-
-
-def table_key(path: str, table: str) -> str:
-    """The name of a module's table within a transaction: "path:table"."""
-    return f"{path}:{table}"
-
 
 @dataclass
 class _ModuleReshard:
@@ -179,16 +109,13 @@ class _ModuleReshard:
     tables: List[str]
     old_layouts: Dict[str, TableLayout]
     new_layouts: Dict[str, TableLayout]
-    report: ReshardReport
     runs: List[KeptRun] = field(default_factory=list)
     hooks: Optional[KeptStorage] = None
     groups: Optional[NewGroups] = None
+    output_order: Optional[List[str]] = None
 
     def key(self, table: str) -> str:
         return table_key(self.path, table)
-
-    def moved_tables(self) -> List[str]:
-        return [t for t in self.tables if self.old_layouts[t] != self.new_layouts[t]]
 
     def old_lookups(self) -> List[nn.Module]:
         return [
@@ -218,8 +145,7 @@ def _prepare_module(
     env: ShardingEnv,
     device: Optional[torch.device],
 ) -> _ModuleReshard:
-    pg = env.process_group
-    rank, world_size = dist.get_rank(pg), dist.get_world_size(pg)
+    world_size = dist.get_world_size(env.process_group)
     changed_layouts = adapter.validate_delta(delta, env, device)
     new_plan = {**adapter.plan(), **delta}
     infos = infos_for_plan(adapter, new_plan)
@@ -242,18 +168,7 @@ def _prepare_module(
         tables,
         adapter.layouts(tables, world_size),
         new_layouts,
-        ReshardReport(rank),
     )
-
-
-def _request_digest(requests: Sequence[Tuple[str, ShardedModuleAdapter, Any]]) -> int:
-    parts = []
-    for path, _, delta in requests:
-        try:
-            parts.append(f"{path}={delta_digest(delta)}")
-        except Exception:  # not a delta at all: validation reports it
-            parts.append(f"{path}?{type(delta).__name__}")
-    return text_digest("\n".join(parts))
 
 
 @dataclass(frozen=True)
@@ -272,7 +187,7 @@ class _Decision:
     keys: Dict[str, Dict[str, KeptBatchKey]]
 
 
-class ModuleReshard(Participant):
+class ModuleReshard(Participant[_RankFacts, _Decision]):
     """
     This rank's part of a reshard of one or more modules of one process group,
     each by its delta. Every rank of the group runs it with the same requests.
@@ -303,19 +218,17 @@ class ModuleReshard(Participant):
         self._options = options
         self._modules: List[_ModuleReshard] = []
         self._decision: Optional[_Decision] = None
-        self._fields: Dict[str, Tuple[Field, ...]] = {}
-        self._old: Dict[str, TableLayout] = {}
-        self._new: Dict[str, TableLayout] = {}
-        self._plan: Optional[RankPlan] = None
-        self._kept_in_place: Set[Tuple[str, Any]] = set()
 
     # ------------------------------------------------------------- the agree
 
     def ranks(self) -> List[int]:
         return dist.get_process_group_ranks(self._env.process_group)
 
-    def digest(self) -> int:
-        return _request_digest(self._requests)
+    def request(self) -> List[str]:
+        return [
+            f"{path}={described(lambda d: str(delta_digest(d)), delta)}"
+            for path, _, delta in self._requests
+        ]
 
     def _rank(self) -> int:
         return dist.get_rank(self._env.process_group)
@@ -375,25 +288,17 @@ class ModuleReshard(Participant):
         )
         return _Decision(merge_table_facts([f.tables for f in facts]), keys)
 
-    def agreed(self, merged: _Decision) -> None:
+    def agreed(self, merged: _Decision) -> TransactionLayouts:
         self._decision = merged
-        for m in self._modules:
-            for t in m.tables:
-                key = m.key(t)
-                self._fields[key] = merged.tables.fields_of(key)
-                self._old[key] = m.old_layouts[t]
-                self._new[key] = m.new_layouts[t]
-
-    def dry_run(self) -> DryRunReport:
-        costs = {key: piece_cost(f) for key, f in self._fields.items()}
-        sent, received = bytes_per_rank(self._old, self._new, costs)
-        world_size = len(self.ranks())
-        return DryRunReport(
-            {m.path: dict(m.delta) for m in self._modules},
-            {r: sent.get(r, 0) for r in range(world_size)},
-            {r: received.get(r, 0) for r in range(world_size)},
-            {m.path: m.moved_tables() for m in self._modules if m.moved_tables()},
+        keys = [(m, t, m.key(t)) for m in self._modules for t in m.tables]
+        return TransactionLayouts(
+            {key: m.old_layouts[t] for m, t, key in keys},
+            {key: m.new_layouts[t] for m, t, key in keys},
+            {key: merged.tables.fields_of(key) for _, _, key in keys},
         )
+
+    def deltas(self) -> Dict[str, Dict[str, ParameterSharding]]:
+        return {m.path: dict(m.delta) for m in self._modules}
 
     # ------------------------------------------------------------- the build
 
@@ -419,6 +324,10 @@ class ModuleReshard(Participant):
                 adapter, m.infos, m.rebuilt_types, self._env, self._device, m.hooks
             )
             check_built_layouts(m.groups, m.new_layouts, self._rank())
+            if adapter.positional_output:
+                m.output_order = direct_output_order(
+                    list(zip(m.groups.shardings, m.groups.infos.values()))
+                )
 
     # ---------------------------------------------------------- the exchange
 
@@ -435,7 +344,7 @@ class ModuleReshard(Participant):
                 _module_facts(self._decision.tables, m),
             )
 
-    def exchange_part(self) -> ExchangePart:
+    def slots(self) -> Tuple[Slots, Slots]:
         old_slots, new_slots = {}, {}
         for m in self._built():
             assert m.groups is not None
@@ -444,20 +353,12 @@ class ModuleReshard(Participant):
             new_slots.update(
                 keyed_slots(m.adapter.local_slots(m.groups.new_lookups), key)
             )
-        built = {m.key(t) for m in self._built() for t in m.tables}
-        old = {k: v for k, v in self._old.items() if k in built}
-        new = {k: v for k, v in self._new.items() if k in built}
-        self._plan = plan_rank_transfers(old, new, self._rank())
-        fields = {k: self._fields[k] for k in old}
-        io = slot_io(old_slots, new_slots, fields)
-        self._kept_in_place = set(io.in_place)
-        return ExchangePart(self._plan, fields, io)
+        return old_slots, new_slots
 
     # ------------------------------------------------------ commit and abort
 
-    def commit(self) -> None:
-        for m in self._built():
-            _swap(m)
+    def commit(self) -> int:
+        return sum(_swap(m) for m in self._built())
 
     def abort(self) -> None:
         for m in self._modules:
@@ -472,32 +373,6 @@ class ModuleReshard(Participant):
 
     def unchanged(self) -> str:
         return "every module is unchanged and keeps its old sharding"
-
-    # ------------------------------------------------------------- reporting
-
-    def reports(self, phases: PhaseTimes) -> Dict[str, ReshardReport]:
-        """Per module path, what this rank did."""
-        per_table = _bytes_by_table(self._plan, self._fields)
-        for m in self._modules:
-            report = m.report
-            report.tables_moved = m.moved_tables()
-            report.tables_rebuilt = list(m.tables)
-            keys = {m.key(t): t for t in m.tables}
-            for key, (sent, received, copied) in per_table.items():
-                if key in keys:
-                    report.bytes_sent += sent
-                    report.bytes_received += received
-                    report.bytes_copied_locally += copied
-            for key, rect in sorted(self._kept_in_place, key=str):
-                if key in keys:
-                    nbytes = piece_cost(self._fields[key]).of(rect)
-                    report.tables_kept_in_place.append(keys[key])
-                    report.bytes_kept_in_place += nbytes
-                    report.bytes_copied_locally -= nbytes  # counted as a local piece
-            report.phases = phases
-            report.seconds = phases.total
-            _log(m)
-        return {m.path: m.report for m in self._modules}
 
 
 def _configs_and_infos(
@@ -544,93 +419,26 @@ def _module_facts(facts: TableFacts, m: _ModuleReshard) -> TableFacts:
     )
 
 
-def _bytes_by_table(
-    plan: Optional[RankPlan], fields: Mapping[str, Sequence[Field]]
-) -> Dict[str, Tuple[int, int, int]]:
-    """Per table, the bytes this rank sent, received and copied locally."""
-    out: Dict[str, List[int]] = {}
-    if plan is None:
-        return {}
-    for column, transfers in enumerate((plan.sends, plan.receives, plan.local_copies)):
-        for t in transfers:
-            counts = out.setdefault(t.table, [0, 0, 0])
-            counts[column] += piece_cost(fields[t.table]).of(t.rect)
-    return {k: (v[0], v[1], v[2]) for k, v in out.items()}
-
-
-def _swap(module: _ModuleReshard) -> None:
-    """Installs a module's new groups, retires the old ones, frees memory."""
+def _swap(module: _ModuleReshard) -> int:
+    """
+    Installs a module's new groups, retires the old ones, frees memory; the
+    bytes given back to the OS.
+    """
     groups, hooks = module.groups, module.hooks
     assert groups is not None and hooks is not None
     adapter = module.adapter
     old_lookups = module.old_lookups()
     old_kernels = adapter.kernels(old_lookups)
-    adapter.install(groups.infos, groups.shardings, groups.lookups)
+    adapter.install(
+        groups.infos, groups.shardings, groups.lookups, module.output_order
+    )
     retire_kernels(old_kernels)
     # Nothing of the reshard may hold the old groups when the storage is
     # released: whatever else still references it is somebody else's.
     del old_lookups, old_kernels, groups
     module.groups = None
     module.hooks = None
-    module.report.bytes_released = hooks.release(adapter.module)
-
-
-def _log(module: _ModuleReshard) -> None:
-    report = module.report
-    logger.info(
-        "reshard rank %d%s: moved %s, rebuilt %d tables, sent %d B, received %d B, "
-        "copied locally %d B, kept in place %d B, released %d B in %.3f s "
-        "(agree %.3f, build %.3f, exchange %.3f, commit %.3f)",
-        report.rank,
-        f" module '{module.path}'" if module.path else "",
-        report.tables_moved,
-        len(report.tables_rebuilt),
-        report.bytes_sent,
-        report.bytes_received,
-        report.bytes_copied_locally,
-        report.bytes_kept_in_place,
-        report.bytes_released,
-        report.seconds,
-        report.phases.agree,
-        report.phases.build,
-        report.phases.exchange,
-        report.phases.commit,
-    )
-
-
-def reshard_modules(
-    requests: Sequence[
-        Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]
-    ],
-    env: ShardingEnv,
-    device: Optional[torch.device] = None,
-    options: Optional[ReshardOptions] = None,
-) -> Tuple[Dict[str, ReshardReport], PhaseTimes]:
-    """
-    Reshards one or more sharded modules of one process group as one
-    transaction. Every rank of the group calls it with the same requests.
-
-    Args:
-        requests (Sequence[Tuple[str, ShardedModuleAdapter, Mapping[str, ParameterSharding]]]):
-            (module path, module adapter, delta) per module.
-        env (ShardingEnv): the modules' sharding environment.
-        device (Optional[torch.device]): the modules' device.
-        options (Optional[ReshardOptions]): how to run.
-
-    Returns:
-        Tuple[Dict[str, ReshardReport], PhaseTimes]: what this rank did per
-        module path, and the transaction's phase times.
-
-    Raises:
-        ReshardError: on every rank, for a bad request (naming the module,
-            table and reason); nothing moved.
-        ReshardAbortedError: on every calling rank when a rank does not join
-            or the exchange fails; every module keeps its old sharding.
-    """
-    options = options or ReshardOptions()
-    participant = ModuleReshard(requests, env, device, options)
-    outcome = run_transaction(participant, options)
-    return participant.reports(outcome.phases), outcome.phases
+    return hooks.release(adapter.module)
 
 
 def reshard_module(
@@ -639,7 +447,7 @@ def reshard_module(
     env: ShardingEnv,
     device: Optional[torch.device] = None,
     options: Optional[ReshardOptions] = None,
-) -> ReshardReport:
+) -> TransactionReport:
     """
     Reshards a sharded embedding module (``ShardedEmbeddingBagCollection`` or
     ``ShardedEmbeddingCollection``) in place, as one transaction. Every rank of
@@ -654,7 +462,7 @@ def reshard_module(
         options (Optional[ReshardOptions]): how to run.
 
     Returns:
-        ReshardReport: what this rank did.
+        TransactionReport: what this rank did (the module's path is "").
 
     Raises:
         ReshardError: on every rank, before any data moves, for a bad request.
@@ -662,8 +470,11 @@ def reshard_module(
             the exchange fails; the module keeps its old sharding and state.
     """
     adapter = adapter_for(module)
-    device = device or adapter.device()
-    reports, _ = reshard_modules(
-        [("", adapter, changed_sharding_params)], env, device, options
+    options = options or ReshardOptions()
+    participant = ModuleReshard(
+        [("", adapter, changed_sharding_params)],
+        env,
+        device or adapter.device(),
+        options,
     )
-    return reports[""]
+    return run_transaction(participant, options)

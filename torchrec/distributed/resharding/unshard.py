@@ -24,27 +24,19 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.elastic import MoveReport, release_model
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
     dense_specs,
     DenseSpec,
     MoveFacts,
-    plan_digest,
     plan_layouts,
-    ranks_digest,
-    request_digest,
-    table_key,
     tables_digest,
     TableShape,
     validate_new_plan,
     whole_on,
 )
-from torchrec.distributed.resharding.exchange import ExchangeStats
-from torchrec.distributed.resharding.fields import Field, FieldKind, WEIGHT
-from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.kernel_state import LocalSlot, slot_io, SlotKey
+from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
 from torchrec.distributed.resharding.model_view import (
     broadcast_dense,
     build_model,
@@ -52,30 +44,29 @@ from torchrec.distributed.resharding.model_view import (
     dense_tensors,
     is_dense,
     meta_definition,
+    model_facts,
     plain_tables,
     plain_twin,
     plain_weight,
+    plain_weight_dtypes,
+    release_model,
     sharded_modules,
     sharded_slots,
-    sharded_tables,
 )
-from torchrec.distributed.resharding.optimizer_state import local_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import (
-    plan_rank_transfers,
-    Rect,
-    ReshardError,
-    sharding_plan_text,
-    TableLayout,
-)
+from torchrec.distributed.resharding.plan import Rect, ReshardError, sharding_plan_text
 from torchrec.distributed.resharding.runner import (
-    ExchangePart,
+    described,
     Participant,
     run_transaction,
+    Slots,
+    TransactionLayouts,
+    TransactionReport,
 )
+from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
+from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import data_type_to_dtype
 
 # module path -> table -> fused optimizer state key -> the whole table's state
 OptimizerState = Dict[str, Dict[str, Dict[str, torch.Tensor]]]
@@ -93,12 +84,12 @@ class UnshardedModel:
         optimizer_state (Dict[str, Dict[str, Dict[str, torch.Tensor]]]): module
             path -> table -> fused optimizer state key -> the whole table's
             state (per element, or per row), when asked for.
-        report (Optional[MoveReport]): what this rank did.
+        report (Optional[TransactionReport]): what this rank did.
     """
 
     modules: Dict[str, nn.Module]
     optimizer_state: OptimizerState = field(default_factory=dict)
-    report: Optional[MoveReport] = None
+    report: Optional[TransactionReport] = None
 
 
 def _plain_slots(
@@ -129,7 +120,7 @@ def _plain_slots(
     return out
 
 
-class Unshard(Participant):
+class Unshard(Participant[MoveFacts, AgreedMove]):
     """This rank's part of :func:`unshard_model` (see it for the arguments)."""
 
     kind = "unshard"
@@ -140,88 +131,63 @@ class Unshard(Participant):
         self._with_state = optimizer_state
         self._ranks: List[int] = dist.get_process_group_ranks(model._env.process_group)
         self._me: int = dist.get_rank()
-        self._agreed: Optional[AgreedMove] = None
-        self._old: Dict[str, TableLayout] = {}
-        self._new: Dict[str, TableLayout] = {}
+        self._fields: Dict[str, Tuple[Field, ...]] = {}
         self._modules: Dict[str, nn.Module] = {}
         self._state: OptimizerState = {}
-        self.report = MoveReport(self._me, "source")
+        self.role: str = "destination" if self._is_destination() else "source"
 
     def ranks(self) -> List[int]:
         return self._ranks
 
-    def digest(self) -> int:
-        return request_digest(self.kind, str(self._dst), str(self._with_state))
+    def request(self) -> List[str]:
+        return [str(self._dst), str(self._with_state)]
+
+    def _is_destination(self) -> bool:
+        return self._ranks.index(self._me) == self._dst
 
     def prepare(self) -> MoveFacts:
         if not isinstance(self._dst, int) or not 0 <= self._dst < len(self._ranks):
             raise ReshardError(
                 f"rank {self._dst} is outside the model's group of {len(self._ranks)}"
             )
-        model = self._model
-        modules = sharded_modules(model.module)
-        tables = {path: sharded_tables(m) for path, m in modules.items()}
-        facts = MoveFacts(
-            old_group=ranks_digest(self._ranks),
-            new_group=ranks_digest(self._ranks),
-            plan=plan_digest(model.plan),
-            model=tables_digest(tables),
-            table_facts={
-                path: local_table_facts(
-                    adapter_for(m).lookups(), [t[0] for t in tables[path]]
-                )
-                for path, m in modules.items()
-            },
-        )
-        if self._me == self._ranks[0]:
-            facts.old_ranks = facts.new_ranks = self._ranks
-            facts.old_plan = model.plan
-            facts.tables = tables
+        facts = model_facts(self._model)
+        facts.new_group = facts.old_group
+        if facts.old_ranks is not None:
+            facts.new_ranks = facts.old_ranks
         return facts
 
     def merge(self, facts: Sequence[MoveFacts]) -> AgreedMove:
         return check_move_agreement(self._ranks, facts)
 
-    def agreed(self, merged: AgreedMove) -> None:
-        self._agreed = merged
-        positions = list(range(len(self._ranks)))
-        self._old = plan_layouts(merged.old_plan, merged.tables, positions)
-        self._new = whole_on(merged.tables, self._dst)
-
-    def _fields(self) -> Dict[str, Tuple[Field, ...]]:
-        agreed = self._agreed
-        assert agreed is not None
-        fields = agreed.fields()
+    def agreed(self, merged: AgreedMove) -> TransactionLayouts:
+        fields = merged.fields()
         if not self._with_state:
             fields = {
                 k: tuple(f for f in v if f.name == WEIGHT) for k, v in fields.items()
             }
-        return fields
+        self._fields = fields
+        positions = list(range(len(self._ranks)))
+        return TransactionLayouts(
+            plan_layouts(merged.old_plan, merged.tables, positions),
+            whole_on(merged.tables, self._dst),
+            fields,
+        )
 
     def build(self) -> None:
-        if self._ranks.index(self._me) != self._dst:
+        if not self._is_destination():
             return
-        self.report.role = "destination"
         for path, module in sharded_modules(self._model.module).items():
             self._modules[path] = plain_twin(module, torch.device("meta")).to_empty(
                 device=torch.device("cpu")
             )
 
-    def exchange_part(self) -> ExchangePart:
-        fields = self._fields()
-        plan = plan_rank_transfers(self._old, self._new, self._ranks.index(self._me))
-        new_slots = _plain_slots(
-            self._modules, fields, self._state if self._with_state else None
-        )
-        io = slot_io(sharded_slots(self._model.module), new_slots, fields)
-        self.report.tables = len(self._new)
-        return ExchangePart(plan, fields, io)
+    def slots(self) -> Tuple[Slots, Slots]:
+        state = self._state if self._with_state else None
+        new_slots = _plain_slots(self._modules, self._fields, state)
+        return sharded_slots(self._model.module), new_slots
 
-    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
-        self.report.add_exchange(stats)
-
-    def commit(self) -> None:
-        pass
+    def commit(self) -> int:
+        return 0
 
     def abort(self) -> None:
         self._modules = {}
@@ -230,10 +196,10 @@ class Unshard(Participant):
     def unchanged(self) -> str:
         return "the model is unchanged"
 
-    def result(self) -> Optional[UnshardedModel]:
-        if self._ranks.index(self._me) != self._dst:
+    def result(self, report: TransactionReport) -> Optional[UnshardedModel]:
+        if not self._is_destination():
             return None
-        return UnshardedModel(self._modules, self._state, self.report)
+        return UnshardedModel(self._modules, self._state, report)
 
 
 def unshard_model(
@@ -264,9 +230,7 @@ def unshard_model(
     """
     options = options or ReshardOptions()
     participant = Unshard(model, dst, optimizer_state)
-    outcome = run_transaction(participant, options)
-    participant.report.finish(outcome.phases)
-    return participant.result()
+    return participant.result(run_transaction(participant, options))
 
 
 def _plain_dense(module: nn.Module, plan: ShardingPlan) -> Dict[str, torch.Tensor]:
@@ -292,7 +256,7 @@ class _Sources:
     dense: List[DenseSpec]
 
 
-class ShardFromRank(Participant):
+class ShardFromRank(Participant[_SourceFacts, _Sources]):
     """This rank's part of :func:`shard_from_rank` (see it for the arguments)."""
 
     kind = "shard_from_rank"
@@ -316,22 +280,17 @@ class ShardFromRank(Participant):
         self._me: int = dist.get_rank()
         self._index: int = self._ranks.index(self._me)
         self._agreed: Optional[_Sources] = None
+        self._fields: Dict[str, Tuple[Field, ...]] = {}
         self._new_model: Optional[nn.Module] = None
         self._plain: Dict[str, nn.Module] = {}
         self._source_dense: Optional[Dict[str, torch.Tensor]] = None
-        self.report = MoveReport(
-            self._me, "source" if self._index == src else "destination"
-        )
+        self.role: str = "source" if self._index == src else "destination"
 
     def ranks(self) -> List[int]:
         return self._ranks
 
-    def digest(self) -> int:
-        try:
-            text = sharding_plan_text(self._plan)
-        except Exception:  # not a plan: validation reports it
-            text = f"?{type(self._plan).__name__}"
-        return request_digest(self.kind, text, str(self._src))
+    def request(self) -> List[str]:
+        return [described(sharding_plan_text, self._plan), str(self._src)]
 
     def prepare(self) -> _SourceFacts:
         if not isinstance(self._src, int) or not 0 <= self._src < len(self._ranks):
@@ -357,8 +316,19 @@ class ShardFromRank(Participant):
                 )
         return _Sources(source.tables, source.dense)
 
-    def agreed(self, merged: _Sources) -> None:
+    def agreed(self, merged: _Sources) -> TransactionLayouts:
         self._agreed = merged
+        self._fields = {
+            table_key(path, name): (Field(WEIGHT, FieldKind.RECT, dtype),)
+            for path, name, dtype in plain_weight_dtypes(self._module, merged.tables)
+        }
+        positions = list(range(len(self._ranks)))
+        return TransactionLayouts(
+            whole_on(merged.tables, self._src),
+            plan_layouts(self._plan, merged.tables, positions),
+            self._fields,
+            dense_bytes=sum(s.nbytes for s in merged.dense),
+        )
 
     def build(self) -> None:
         if self._index == self._src:
@@ -374,33 +344,19 @@ class ShardFromRank(Participant):
             self._plan,
             self._sharders,
             self._device,
+            KeptStorage(),  # no initialisation: every byte is moved in
         )
 
-    def exchange_part(self) -> ExchangePart:
-        agreed, model = self._agreed, self._new_model
-        assert agreed is not None and model is not None
-        fields: Dict[str, Tuple[Field, ...]] = {
-            table_key(path, name): (
-                Field(WEIGHT, FieldKind.RECT, _weight_dtype(model, path, name)),
-            )
-            for path, shapes in agreed.tables.items()
-            for name, _, _ in shapes
-        }
-        positions = list(range(len(self._ranks)))
-        old = whole_on(agreed.tables, self._src)
-        new = plan_layouts(self._plan, agreed.tables, positions)
-        plan = plan_rank_transfers(old, new, self._index)
-        io = slot_io(
-            _plain_slots(self._plain, fields, None), sharded_slots(model.module), fields
-        )
-        self.report.tables = len(new)
-        return ExchangePart(plan, fields, io)
+    def slots(self) -> Tuple[Slots, Slots]:
+        model = self._new_model
+        assert model is not None
+        old_slots = _plain_slots(self._plain, self._fields, None)
+        return old_slots, sharded_slots(model.module)
 
-    def after_exchange(self, group: ExchangeGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: ExchangeGroup) -> None:
         agreed, model = self._agreed, self._new_model
         assert agreed is not None and model is not None
-        self.report.add_exchange(stats)
-        self.report.dense_bytes = broadcast_dense(
+        broadcast_dense(
             agreed.dense,
             self._source_dense,
             dense_tensors(model.module),
@@ -408,9 +364,10 @@ class ShardFromRank(Participant):
             group,
         )
 
-    def commit(self) -> None:
+    def commit(self) -> int:
         self._plain = {}
         self._source_dense = None
+        return 0
 
     def abort(self) -> None:
         if self._new_model is not None:
@@ -468,13 +425,5 @@ def shard_from_rank(
     participant = ShardFromRank(
         module, plan, env, src, sharders, device or torch.device("cpu")
     )
-    outcome = run_transaction(participant, options)
-    participant.report.finish(outcome.phases)
+    run_transaction(participant, options)
     return participant.new_model
-
-
-def _weight_dtype(model: nn.Module, path: str, table: str) -> torch.dtype:
-    """The dtype a table's weight travels in (every rank knows its config)."""
-    adapter = adapter_for(sharded_modules(model.module)[path])
-    config = adapter.module._table_name_to_config[table]
-    return data_type_to_dtype(config.data_type)

@@ -10,22 +10,46 @@
 """
 Helpers for tests of sharded modules: a process group whose collectives time
 out (so that no test hangs forever), a one-rank process group inside the test
-process, a multi-process test base whose ranks get the test's master port, and
-a sharded module's full weights gathered from every rank with plain
-collectives (independent of the code under test).
+process, a multi-process test base whose ranks get the test's master port, a
+sharded module's full weights gathered from every rank with plain
+collectives (independent of the code under test), and one kernel's worth of
+whole tables as TorchRec groups them (to build batched kernels in one
+process).
 """
 
 import contextlib
 import os
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+)
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import (
+    ShardedTensor,
+    ShardedTensorMetadata,
+    TensorProperties,
+)
 from torch.distributed._tensor import DTensor
+from torchrec.distributed.embedding_sharding import group_tables
+from torchrec.distributed.embedding_types import (
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+    ShardedEmbeddingTable,
+)
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+from torchrec.modules.embedding_configs import DataType, PoolingType
 
 
 @contextlib.contextmanager
@@ -163,3 +187,51 @@ def global_weights(module: nn.Module, pg: dist.ProcessGroup) -> Dict[str, torch.
         else:
             out[key] = value.detach().to("cpu").clone()
     return out
+
+
+def grouped_config(
+    names: Sequence[str],
+    fused_params: Mapping[str, Any],
+    rows: int = 8,
+    cols: int = 4,
+    kernel: EmbeddingComputeKernel = EmbeddingComputeKernel.FUSED,
+) -> GroupedEmbeddingConfig:
+    """
+    One batched kernel's worth of whole FP32 tables on rank 0 of a CPU job, as
+    TorchRec's ``group_tables`` groups them.
+
+    Args:
+        names (Sequence[str]): the tables ("f_<name>" is each one's feature).
+        fused_params (Mapping[str, Any]): every table's fused params.
+        rows (int): rows of each table.
+        cols (int): columns of each table.
+        kernel (EmbeddingComputeKernel): their compute kernel.
+
+    Returns:
+        GroupedEmbeddingConfig: the kernel's config.
+    """
+    tables = []
+    for name in names:
+        metadata = ShardMetadata([0, 0], [rows, cols], "rank:0/cpu")
+        tables.append(
+            ShardedEmbeddingTable(
+                name=name,
+                num_embeddings=rows,
+                embedding_dim=cols,
+                feature_names=[f"f_{name}"],
+                data_type=DataType.FP32,
+                pooling=PoolingType.SUM,
+                compute_kernel=kernel,
+                local_rows=rows,
+                local_cols=cols,
+                local_metadata=metadata,
+                global_metadata=ShardedTensorMetadata(
+                    shards_metadata=[metadata],
+                    size=torch.Size([rows, cols]),
+                    tensor_properties=TensorProperties(dtype=torch.float32),
+                ),
+                fused_params=dict(fused_params),
+            )
+        )
+    ((config,),) = group_tables([tables])
+    return config

@@ -173,6 +173,29 @@ def share_from(state: Any, src: int) -> Any:
     return box[0]
 
 
+def sharded_model(
+    env: ShardingEnv,
+    plan: ShardingPlan,
+    device: Optional[torch.device] = None,
+    weights: bool = True,
+) -> nn.Module:
+    """
+    The model sharded directly under ``plan`` over ``env``, with the weights
+    of ``model_definition("cpu")`` (or its own initial ones without
+    ``weights``).
+    """
+    model = DistributedModelParallel(
+        model_definition(),
+        env=env,
+        device=device or torch.device("cpu"),
+        plan=plan,
+        sharders=model_sharders(),
+    )
+    if weights:
+        model.load_state_dict(model_definition("cpu").state_dict())
+    return model
+
+
 def reference_model(
     env: ShardingEnv, plan: ShardingPlan, state: Any
 ) -> Tuple[nn.Module, Any]:
@@ -180,13 +203,7 @@ def reference_model(
     The reference: the model sharded directly under ``plan`` and loaded with
     ``state`` (from :func:`global_model_state`), with its dense optimizer.
     """
-    model = DistributedModelParallel(
-        model_definition(),
-        env=env,
-        device=torch.device("cpu"),
-        plan=plan,
-        sharders=model_sharders(),
-    )
+    model = sharded_model(env, plan, weights=False)
     weights, fused, dense_state = state
     load_global_state(model, weights, fused)
     optimizer = make_dense_optimizer(model)

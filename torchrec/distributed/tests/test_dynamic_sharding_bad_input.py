@@ -23,19 +23,14 @@ import torch.distributed as dist
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import ReshardError
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     train_step,
 )
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.types import ParameterSharding
 
 PLAN_A = {
     "t0": ("table_wise", 0),
@@ -140,22 +135,20 @@ def _bad_deltas(
 
 
 def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad" if kernel == "fused" else None)
-        env = ShardingEnv.from_process_group(pg)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, kernel)
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, kernel)
+    with reshard_scenario(
+        rank, world_size, port, 3, kernel=kernel, timeout_s=60
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        sharder = scenario.sharder
+        plan_a = scenario.plan(PLAN_A)
+        plan_b = scenario.plan(PLAN_B)
         # TorchRec's row-wise sharding puts the i-th shard on rank i.
         reversed_rw = ("row_wise", [(0, 0, 5, 16, 1), (5, 0, 22, 16, 0)])
-        plan_rw_reversed = make_plan(
-            ebc, {"t1": ("custom", reversed_rw)}, world_size, world_size, kernel
-        )
-        batches = make_batches(3, rows, 3, 4, seed=3)
+        plan_rw_reversed = scenario.plan({"t1": ("custom", reversed_rw)})
+        batches = scenario.batches(3, seed=3)
 
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
         for batch in batches[:1]:
             train_step(module, batch)
             train_step(reference, batch)

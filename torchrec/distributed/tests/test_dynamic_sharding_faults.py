@@ -24,30 +24,25 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding import (
-    kernel_state,
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
     runner,
+    slots,
 )
 from torchrec.distributed.resharding.fields import Field
-from torchrec.distributed.resharding.kernel_state import LocalSlot, read_piece
 from torchrec.distributed.resharding.plan import Transfer
+from torchrec.distributed.resharding.slots import LocalSlot, read_piece
 from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     delta,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 
 # t3 stays put in the rebuilt table-wise group: on CPU its new kernel shares
 # the old kernel's storage, which an aborted reshard must leave intact.
@@ -82,17 +77,15 @@ def _faulty_read_piece(fault: str) -> Callable[..., torch.Tensor]:
 
 
 def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=90) as (pg, device):
-        ebc = make_ebc(4)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv.from_process_group(pg)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
-        batches = make_batches(4, rows, 4, 4, seed=5)
+    with reshard_scenario(rank, world_size, port, 4, timeout_s=90) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        sharder = scenario.sharder
+        plan_a = scenario.plan(PLAN_A)
+        plan_b = scenario.plan(PLAN_B)
+        batches = scenario.batches(4, seed=5)
 
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
         for batch in batches[:2]:
             train_step(module, batch)
             train_step(reference, batch)
@@ -100,7 +93,7 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
         faulty = _faulty_read_piece(fault) if rank == 1 else read_piece
         outcome = "no error"
         try:
-            with mock.patch.object(kernel_state, "read_piece", faulty):
+            with mock.patch.object(slots, "read_piece", faulty):
                 reshard_module(
                     module,
                     delta(plan_a, plan_b),
@@ -145,13 +138,11 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
     """Every reshard exchanges on a group of its own, closed afterwards and
     never registered in torch.distributed: nothing is cached between reshards
     (or keyed by a group's id)."""
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv.from_process_group(pg)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
-        module = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(rank, world_size, port, 4) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plan_a = scenario.plan(PLAN_A)
+        plan_b = scenario.plan(PLAN_B)
+        module = scenario.shard(plan_a)
         registry = _registry()
         opened: List[str] = []
         closed: List[str] = []

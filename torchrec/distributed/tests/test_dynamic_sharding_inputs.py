@@ -25,22 +25,15 @@ from torchrec.distributed.test_utils.reshard_ec_utils import (
     ec_train_step,
     make_ec_sharder,
 )
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import (
     EmbeddingBagConfig,
     EmbeddingConfig,
@@ -139,73 +132,56 @@ def _shapes(prefix: str, names: Sequence[str]) -> Dict[str, Any]:
     return {f"{prefix}.{n}.weight": (ROWS, DIM) for n in names}
 
 
-def _run_ebc_inputs(rank: int, world_size: int, port: str, weighted: bool) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = _ebc(weighted)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ebc, spec, world_size, world_size, "fused")
-            for spec in [EBC_PLAN_A] + EBC_PLANS_B
-        ]
-        module = shard(ebc, sharder, plans[0], env, device)
+def _assert_same_outputs(kind: str, a: Any, b: Any) -> None:
+    if kind == "ec":
+        assert_ec_outputs_equal(a, b)
+    else:
+        assert torch.equal(a, b)
+
+
+def _run_inputs(
+    rank: int, world_size: int, port: str, kind: str, weighted: bool = False
+) -> None:
+    """
+    An EBC (``kind`` "ebc") or an EC ("ec") resharded through its plans with
+    batches of other sizes before and after; each step against the oracle.
+    """
+    if kind == "ec":
+        unsharded, sharder = _ec(), make_ec_sharder("rowwise_adagrad")
+        keys, specs, step = EC_KEYS, [EC_PLAN_A] + EC_PLANS_B, ec_train_step
+    else:
+        unsharded, sharder = _ebc(weighted), None
+        keys, specs, step = KEYS, [EBC_PLAN_A] + EBC_PLANS_B, train_step
+    with reshard_scenario(
+        rank, world_size, port, unsharded=unsharded, sharder=sharder
+    ) as scenario:
+        env, device = scenario.env, scenario.device
+        plans = scenario.plans(specs)
+        module = scenario.shard(plans[0])
         seed = 10 * rank
-        train_step(module, _batch(KEYS, 4, seed, weighted))
+        step(module, _batch(keys, 4, seed, weighted))
         for new_plan, batch_size in zip(plans[1:], (7, 3)):
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
+            state = scenario.global_state(module)
             old_plan = dict(module.module_sharding_plan)
             module.update_shards(delta(old_plan, new_plan), env, device)
-            reference = shard(ebc, sharder, new_plan, env, device)
-            load_global_state(reference, weights, opt_state)
+            reference = scenario.reference(new_plan, state)
             for _ in range(2):  # outputs before and after a training step
                 seed += 1
-                batch = _batch(KEYS, batch_size, seed, weighted)
-                assert torch.equal(
-                    train_step(module, batch), train_step(reference, batch)
-                )
-            assert_state_dicts_equal(reference.state_dict(), module.state_dict())
-            assert_optimizer_states_equal(reference, module)
-
-
-def _run_ec_inputs(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ec = _ec()
-        sharder = make_ec_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ec, spec, world_size, world_size, "fused")  # pyre-ignore[6]
-            for spec in [EC_PLAN_A] + EC_PLANS_B
-        ]
-        module = shard(ec, sharder, plans[0], env, device)  # pyre-ignore[6]
-        seed = 10 * rank
-        ec_train_step(module, _batch(EC_KEYS, 4, seed, False))
-        for new_plan, batch_size in zip(plans[1:], (7, 3)):
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
-            old_plan = dict(module.module_sharding_plan)
-            module.update_shards(delta(old_plan, new_plan), env, device)
-            reference = shard(ec, sharder, new_plan, env, device)  # pyre-ignore[6]
-            load_global_state(reference, weights, opt_state)
-            for _ in range(2):
-                seed += 1
-                batch = _batch(EC_KEYS, batch_size, seed, False)
-                assert_ec_outputs_equal(
-                    ec_train_step(module, batch), ec_train_step(reference, batch)
-                )
+                batch = _batch(keys, batch_size, seed, weighted)
+                _assert_same_outputs(kind, step(module, batch), step(reference, batch))
             assert_state_dicts_equal(reference.state_dict(), module.state_dict())
             assert_optimizer_states_equal(reference, module)
 
 
 class ReshardInputsTest(ReshardTestBase):
     def test_ebc_inputs(self) -> None:
-        self.run_ranks(_run_ebc_inputs, weighted=False)
+        self.run_ranks(_run_inputs, kind="ebc", weighted=False)
 
     def test_weighted_ebc_inputs(self) -> None:
-        self.run_ranks(_run_ebc_inputs, weighted=True)
+        self.run_ranks(_run_inputs, kind="ebc", weighted=True)
 
     def test_ec_inputs(self) -> None:
-        self.run_ranks(_run_ec_inputs)
+        self.run_ranks(_run_inputs, kind="ec")
 
 
 if __name__ == "__main__":

@@ -28,20 +28,15 @@ from typing import Dict, List, Optional
 import torch
 from torchrec.distributed.resharding import reshard_module
 from torchrec.distributed.resharding.kernel_state import batched_kernels
-from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     delta,
     make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 
 NUM_TABLES, ROWS, DIM = 4, 1024, 1024  # 4 MiB of fp32 weights per table
 TABLE_BYTES = ROWS * DIM * 4
@@ -109,16 +104,21 @@ def _most_kernels_per_group(module: torch.nn.Module) -> int:
 
 
 def _run_memory(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(NUM_TABLES, dims=[DIM] * NUM_TABLES, rows=[ROWS] * NUM_TABLES)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(
+        rank,
+        world_size,
+        port,
+        NUM_TABLES,
+        dims=[DIM] * NUM_TABLES,
+        rows=[ROWS] * NUM_TABLES,
+    ) as scenario:
+        env = scenario.env
         plans = [
-            make_plan(ebc, spec, world_size, world_size, "fused")
+            scenario.plan(spec)
             for spec in _random_plans(RESHARDS, world_size)
         ]
         batches = make_batches(NUM_TABLES, [ROWS] * NUM_TABLES, 4, 8, seed=1)
-        module = shard(ebc, sharder, plans[0], env, device)
+        module = scenario.shard(plans[0])
         for i in range(3):  # warm up the allocator and the input dists
             train_step(module, batches[i % 4])
             reshard_module(module, delta(plans[i % 2], plans[1 - i % 2]), env)

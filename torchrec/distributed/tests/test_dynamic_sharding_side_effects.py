@@ -41,19 +41,15 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.resharding import reshard_module
 from torchrec.distributed.resharding.install import EmbeddingBagCollectionAdapter
 from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_batches,
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
     train_step,
@@ -188,15 +184,13 @@ class _Turns:
 
 
 def _run_other_thread(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        ]
-        batches = make_batches(4, [ROWS] * 4, 2, 4, seed=3)
-        module = shard(ebc, sharder, plans[0], env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        device, env = scenario.device, scenario.env
+        plans = [scenario.plan(s) for s in (PLAN_A, PLAN_B)]
+        batches = scenario.batches(2, seed=3)
+        module = scenario.shard(plans[0])
         # Sharding runs collectives: the eval copies get a group of their own.
         eval_env = ShardingEnv(
             world_size, rank, dist.new_group(list(range(world_size)))
@@ -220,12 +214,7 @@ def _run_other_thread(rank: int, world_size: int, port: str) -> None:
 
         # And the training module itself is exactly a module sharded with B.
         reshard_module(module, delta(plans[0], plans[1]), env)
-        reference = shard(ebc, sharder, plans[1], env, device)
-        load_global_state(
-            reference,
-            global_weights(module, pg),
-            global_optimizer_state(module, pg),
-        )
+        reference = scenario.reference(plans[1], scenario.global_state(module))
         assert_same_training(reference, module, batches, "fused", device)
 
 
@@ -240,18 +229,15 @@ def _optimizer_views(module: torch.nn.Module) -> Dict[Tuple[str, str], torch.Ten
 
 
 def _run_views(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plan_a, plan_b = (
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        )
-        batches = make_batches(4, [ROWS] * 4, 3, 4, seed=9)
-        module = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plan_a, plan_b = (scenario.plan(s) for s in (PLAN_A, PLAN_B))
+        batches = scenario.batches(3, seed=9)
+        module = scenario.shard(plan_a)
         train_step(module, batches[0])
-        weights = global_weights(module, pg)
-        opt_state = global_optimizer_state(module, pg)
+        state = scenario.global_state(module)
 
         # What a caller holds: a state dict, an optimizer state dict, a shard.
         state_dict = module.state_dict()
@@ -265,7 +251,8 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
         optimizer_before = {k: v.clone() for k, v in optimizer_views.items()}
 
         report = reshard_module(module, delta(plan_a, plan_b), env)
-        kept = {f"embedding_bags.{t}.weight" for t in report.tables_kept_in_place}
+        kept_tables = report.tables_kept_in_place.get("", [])
+        kept = {f"embedding_bags.{t}.weight" for t in kept_tables}
         departed = set(views) - kept
         assert departed, "the test needs a table that leaves this rank's kernels"
 
@@ -282,8 +269,7 @@ def _run_views(rank: int, world_size: int, port: str) -> None:
             assert torch.equal(view, optimizer_before[key]), key
 
         # Fresh state dicts equal a module sharded directly with the new plan.
-        reference = shard(ebc, sharder, plan_b, env, device)
-        load_global_state(reference, weights, opt_state)
+        reference = scenario.reference(plan_b, state)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
         assert_optimizer_states_equal(reference, module)
 
@@ -324,15 +310,14 @@ def _run_checkpoints(rank: int, world_size: int, port: str, path: str) -> None:
     into a module sharded directly with the new plan, and the other way round:
     for code that reads by key, the two are indistinguishable.
     """
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
-        plan_a, plan_b = (
-            make_plan(ebc, s, world_size, world_size, "fused") for s in (PLAN_A, PLAN_B)
-        )
-        batches = make_batches(4, [ROWS] * 4, 4, 4, seed=21)
-        resharded = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        sharder = scenario.sharder
+        plan_a, plan_b = (scenario.plan(s) for s in (PLAN_A, PLAN_B))
+        batches = scenario.batches(4, seed=21)
+        resharded = scenario.shard(plan_a)
         train_step(resharded, batches[0])
         reshard_module(resharded, delta(plan_a, plan_b), env)
         train_step(resharded, batches[1])

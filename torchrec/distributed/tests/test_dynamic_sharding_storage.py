@@ -25,31 +25,25 @@ from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import (
     reshard_module,
     ReshardOptions,
-    ReshardReport,
     StorageMode,
+    TransactionReport,
 )
 from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
-from torchrec.distributed.resharding.storage import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.test_utils.reshard_scenario import (
+    reshard_scenario,
+    ReshardScenario,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_reshard_matches_direct,
     assert_same_training,
     assert_state_dicts_equal,
     delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 
 FUSED = EmbeddingComputeKernel.FUSED.value
 DENSE = EmbeddingComputeKernel.DENSE.value
@@ -69,28 +63,22 @@ def _kernel_count(module: torch.nn.Module) -> int:
 
 
 def _reshard_and_compare(
+    scenario: ReshardScenario,
     module: torch.nn.Module,
-    ebc: torch.nn.Module,
-    sharder: torch.nn.Module,
     old: Dict[str, object],
     new: Dict[str, object],
-    env: ShardingEnv,
-    device: torch.device,
     batch: object,
-    kernel: str,
     options: Optional[ReshardOptions] = None,
-) -> ReshardReport:
+) -> TransactionReport:
     """Reshards ``module`` from ``old`` to ``new`` and checks it against a
     module sharded directly with ``new``, then trains both one step."""
-    pg = env.process_group
-    weights = global_weights(module, pg)
-    opt_state = global_optimizer_state(module, pg)
+    state = scenario.global_state(module)
+    env, device = scenario.env, scenario.device
     report = reshard_module(module, delta(old, new), env, device, options)
-    reference = shard(ebc, sharder, new, env, device)
-    load_global_state(reference, weights, opt_state)
+    reference = scenario.reference(new, state)
     assert_state_dicts_equal(reference.state_dict(), module.state_dict())
     assert_optimizer_states_equal(reference, module)
-    assert_same_training(reference, module, [batch], kernel, device)
+    assert_same_training(reference, module, [batch], scenario.kernel, device)
     return report
 
 
@@ -100,7 +88,9 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
     tables that stay keep their addresses (weights and optimizer state) and
     are not copied; t1's pages on rank 0 are released when it leaves.
     """
-    with process_group(rank, world_size, port) as (pg, device):
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4, kernel=kernel
+    ) as scenario:
         specs: List[Dict[str, TableSpec]] = [
             {
                 "t0": ("table_wise", 0),
@@ -110,21 +100,16 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
             }
             for t1_rank in (0, 1, 0)
         ]
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)
-        env = ShardingEnv(world_size, rank, pg)
-        plans = [make_plan(ebc, s, world_size, world_size, kernel) for s in specs]
-        batches = make_batches(4, [ROWS] * 4, 3, 4, seed=2)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(3, seed=2)
+        module = scenario.shard(plans[0])
         train_step(module, batches[0])
 
         departed = ROWS * DIM * 4
         before = _addresses(module)
-        report = _reshard_and_compare(
-            module, ebc, sharder, plans[0], plans[1], env, device, batches[1], kernel
-        )
+        report = _reshard_and_compare(scenario, module, plans[0], plans[1], batches[1])
         stays = ["t0"] if rank == 0 else ["t2", "t3"]
-        assert sorted(report.tables_kept_in_place) == stays, report
+        assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         assert report.bytes_copied_locally == 0, report
         after = _addresses(module)
         for table in stays:
@@ -136,10 +121,8 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
             assert _kernel_count(module) == 2  # the kept kernel + t1's
 
         before = _addresses(module)
-        report = _reshard_and_compare(
-            module, ebc, sharder, plans[1], plans[2], env, device, batches[2], kernel
-        )
-        assert sorted(report.tables_kept_in_place) == stays, report
+        report = _reshard_and_compare(scenario, module, plans[1], plans[2], batches[2])
+        assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         after = _addresses(module)
         for table in stays:
             assert after[table] == before[table], (table, before, after)
@@ -159,31 +142,21 @@ def _run_without_storage_reuse(rank: int, world_size: int, port: str) -> None:
     copied locally; the result is the same.
     """
     copy = ReshardOptions(storage=StorageMode.COPY)
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(4, dims=[DIM] * 4, rows=[ROWS] * 4)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(
+        rank, world_size, port, 4, dims=[DIM] * 4, rows=[ROWS] * 4
+    ) as scenario:
         specs: List[Dict[str, TableSpec]] = [
             {f"t{i}": ("table_wise", (i + shift) // 2 % 2) for i in range(4)}
             for shift in (0, 1)
         ]
-        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
-        batches = make_batches(4, [ROWS] * 4, 2, 4, seed=4)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(2, seed=4)
+        module = scenario.shard(plans[0])
         train_step(module, batches[0])
         report = _reshard_and_compare(
-            module,
-            ebc,
-            sharder,
-            plans[0],
-            plans[1],
-            env,
-            device,
-            batches[1],
-            FUSED,
-            copy,
+            scenario, module, plans[0], plans[1], batches[1], copy
         )
-        assert report.tables_kept_in_place == [], report
+        assert report.tables_kept_in_place == {}, report
         assert report.bytes_copied_locally == ROWS * (DIM + 1) * 4, report
         assert report.bytes_released == 0, report
         assert _kernel_count(module) == 1
@@ -198,31 +171,27 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
     """
     moves = MAX_KERNELS_PER_GROUP + 1
     num_tables = moves + 2
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(num_tables, dims=[DIM] * num_tables, rows=[ROWS] * num_tables)
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(
+        rank,
+        world_size,
+        port,
+        num_tables,
+        dims=[DIM] * num_tables,
+        rows=[ROWS] * num_tables,
+    ) as scenario:
         specs = [
             {f"t{i}": ("table_wise", 0 if i < k else 1) for i in range(num_tables)}
             for k in range(moves + 1)
         ]
-        plans = [make_plan(ebc, s, world_size, world_size, FUSED) for s in specs]
-        batches = make_batches(num_tables, [ROWS] * num_tables, moves, 4, seed=3)
-        module = shard(ebc, sharder, plans[0], env, device)
+        plans = [scenario.plan(s) for s in specs]
+        batches = scenario.batches(moves, seed=3)
+        module = scenario.shard(plans[0])
         counts: List[int] = []
-        reports: List[ReshardReport] = []
+        reports: List[TransactionReport] = []
         for k in range(moves):
             reports.append(
                 _reshard_and_compare(
-                    module,
-                    ebc,
-                    sharder,
-                    plans[k],
-                    plans[k + 1],
-                    env,
-                    device,
-                    batches[k],
-                    FUSED,
+                    scenario, module, plans[k], plans[k + 1], batches[k]
                 )
             )
             counts.append(_kernel_count(module))
@@ -234,13 +203,15 @@ def _run_kernels_bounded(rank: int, world_size: int, port: str) -> None:
             cap = MAX_KERNELS_PER_GROUP
             assert counts == list(range(1, cap + 1)) + [cap], counts
             kept = [f"t{i}" for i in range(cap - 1)]
-            assert sorted(reports[-1].tables_kept_in_place) == kept, reports[-1]
+            last = reports[-1]
+            assert sorted(last.tables_kept_in_place.get("", [])) == kept, last
             assert reports[-1].bytes_copied_locally > 0, reports[-1]
         else:
             # the tables left on rank 1 all come from its one old kernel: kept
             assert counts == [1] * moves, counts
             left = [f"t{i}" for i in range(moves, num_tables)]
-            assert sorted(reports[-1].tables_kept_in_place) == left, reports[-1]
+            last = reports[-1]
+            assert sorted(last.tables_kept_in_place.get("", [])) == left, last
             assert reports[-1].bytes_copied_locally == 0, reports[-1]
 
 

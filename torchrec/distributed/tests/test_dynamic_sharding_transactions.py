@@ -53,6 +53,7 @@ from torchrec.distributed.test_utils.reshard_dmp_utils import (
     sparse_arch_step,
 )
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
@@ -61,13 +62,9 @@ from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
     make_sharder,
     process_group,
     ReshardTestBase,
-    shard,
     train_step,
 )
 from torchrec.distributed.types import CacheParams, ShardingEnv
@@ -165,7 +162,7 @@ def _run_model_transactions(rank: int, world_size: int, port: str) -> None:
 
         # Back to the caller's plan A: the tables move back.
         report = model.reshard(plan_a)
-        assert set(report.modules) == {"sparse_a", "sparse_b", "seq"}, report
+        assert set(report.deltas or {}) == {"sparse_a", "sparse_b", "seq"}, report
         assert model.plan == caller_a
         # (row-wise optimizer state of a table split into columns again is
         # the mean over its former columns: compare the weights)
@@ -205,34 +202,29 @@ def _kernel_options(module: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
 
 
 def _run_kernel_options(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(3, dims=[16] * 3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(rank, world_size, port, 3, dims=[16] * 3) as scenario:
+        device, env = scenario.device, scenario.env
         specs = {
             "t0": ("table_wise", 0),
             "t1": ("column_wise", [0, 1]),
             "t2": ("table_wise", 1),
         }
-        plan = make_plan(ebc, specs, world_size, world_size, "fused")
-        batches = make_batches(3, rows, 2 * len(KERNEL_OPTIONS), 4, seed=8)
-        module = shard(ebc, sharder, plan, env, device)
+        plan = scenario.plan(specs)
+        batches = scenario.batches(2 * len(KERNEL_OPTIONS), seed=8)
+        module = scenario.shard(plan)
         for i, (option, value) in enumerate(KERNEL_OPTIONS.items()):
             train_step(module, batches[2 * i])
             new_plan = copy.deepcopy(plan)
             setattr(new_plan["t1"], option, value)
-            weights = global_weights(module, pg)
-            opt_state = global_optimizer_state(module, pg)
+            state = scenario.global_state(module)
             report = reshard_module(module, delta(plan, new_plan), env)
-            assert report.tables_moved == [], (option, report)
+            assert report.tables_moved == {}, (option, report)
             assert module.module_sharding_plan == new_plan, option
 
-            reference = shard(ebc, sharder, new_plan, env, device)
-            load_global_state(reference, weights, opt_state)
+            reference = scenario.reference(new_plan, state)
             assert _kernel_options(module) == _kernel_options(reference), option
             if option in OBSERVABLE:  # the option took effect in the kernel
-                before = _kernel_options(shard(ebc, sharder, plan, env, device))
+                before = _kernel_options(scenario.shard(plan))
                 assert _kernel_options(module)["t1"] != before["t1"], option
             assert_state_dicts_equal(reference.state_dict(), module.state_dict())
             assert_optimizer_states_equal(reference, module)
@@ -243,19 +235,14 @@ def _run_kernel_options(rank: int, world_size: int, port: str) -> None:
 
 
 def _run_pending_backward(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(rank, world_size, port, 3) as scenario:
+        device, env = scenario.device, scenario.env
         specs = {f"t{i}": ("table_wise", i % world_size) for i in range(3)}
-        plan_a = make_plan(ebc, specs, world_size, world_size, "fused")
-        plan_b = make_plan(
-            ebc, {**specs, "t0": ("table_wise", 1)}, world_size, world_size, "fused"
-        )
-        batches = make_batches(3, rows, 3, 4, seed=4)
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+        plan_a = scenario.plan(specs)
+        plan_b = scenario.plan({**specs, "t0": ("table_wise", 1)})
+        batches = scenario.batches(3, seed=4)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
 
         out = module(batches[0]).wait().values()
         try:
@@ -283,19 +270,14 @@ EXCHANGE_TIMEOUT = timedelta(seconds=4)
 
 def _run_missing_rank(rank: int, world_size: int, port: str, busy: bool) -> None:
     """Rank 1 does not join (sleeps, or is busy in a forward); rank 0 calls."""
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv(world_size, rank, pg)
+    with reshard_scenario(rank, world_size, port, 3, timeout_s=60) as scenario:
+        device, env = scenario.device, scenario.env
         specs = {f"t{i}": ("table_wise", i % world_size) for i in range(3)}
-        plan_a = make_plan(ebc, specs, world_size, world_size, "fused")
-        plan_b = make_plan(
-            ebc, {**specs, "t0": ("table_wise", 1)}, world_size, world_size, "fused"
-        )
-        batches = make_batches(3, rows, 4, 4, seed=6)
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+        plan_a = scenario.plan(specs)
+        plan_b = scenario.plan({**specs, "t0": ("table_wise", 1)})
+        batches = scenario.batches(4, seed=6)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
         train_step(module, batches[0])
         train_step(reference, batches[0])
         options = ReshardOptions(exchange_timeout=EXCHANGE_TIMEOUT)

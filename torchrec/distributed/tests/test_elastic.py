@@ -32,18 +32,17 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
-    kernel_state,
     ReshardAbortedError,
     ReshardOptions,
+    slots,
 )
 from torchrec.distributed.resharding.elastic import (
     _shards_in_rank_order,
     dry_run_move,
     move_model,
 )
-from torchrec.distributed.resharding.kernel_state import read_piece
+from torchrec.distributed.resharding.slots import read_piece
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,
     GROUPS,
@@ -54,6 +53,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_sharders,
     reference_model,
     shard_addresses,
+    sharded_model,
     share_from,
     train_model,
     WORLD,
@@ -106,7 +106,7 @@ def _failed_move(
     addresses = shard_addresses(model, KEPT[rank]) if rank in KEPT else {}
     read = _failing_read_piece() if rank == old[0] else read_piece
     try:
-        with mock.patch.object(kernel_state, "read_piece", read):
+        with mock.patch.object(slots, "read_piece", read):
             move_model(
                 model if rank in old else None,
                 plan,
@@ -156,14 +156,7 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
         optimizer: Any = None
         env = envs[start]
         assert env is not None
-        model = DistributedModelParallel(
-            model_definition(),
-            env=env,
-            device=device,
-            plan=model_plan(4, 0),
-            sharders=model_sharders(),
-        )
-        model.load_state_dict(model_definition("cpu").state_dict())
+        model = sharded_model(env, model_plan(4, 0), device)
         optimizer = make_dense_optimizer(model)
         step = 0
         for index in range(2):
@@ -214,8 +207,8 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 gc.enable()
             assert moved.left == (rank not in new)
             # the dry run said exactly what would move
-            assert moved.report.bytes_sent == dry.bytes_sent[rank], (dry, moved)
-            assert moved.report.bytes_received == dry.bytes_received[rank], dry
+            assert moved.report.bytes_sent == dry.bytes_sent_by_rank[rank], (dry, moved)
+            assert moved.report.bytes_received == dry.bytes_received_by_rank[rank], dry
             # every byte is moved in: no table is initialised for nothing, and
             # the definition's init functions are back afterwards
             assert inits == [], inits

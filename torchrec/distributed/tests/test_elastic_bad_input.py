@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.elastic import move_model
 from torchrec.distributed.test_utils.reshard_model_utils import (
@@ -29,6 +28,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_definition,
     model_plan,
     model_sharders,
+    sharded_model,
     WORLD,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
@@ -50,14 +50,7 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
         old, new = (0, 1, 2, 3), (0, 1)
         env = envs[old]
         assert env is not None
-        model = DistributedModelParallel(
-            model_definition(),
-            env=env,
-            device=device,
-            plan=model_plan(4, 0),
-            sharders=model_sharders(),
-        )
-        model.load_state_dict(model_definition("cpu").state_dict())
+        model = sharded_model(env, model_plan(4, 0), device)
         before = global_weights(model, groups[old])
         options_timeout = timedelta(seconds=4)
 
@@ -126,13 +119,7 @@ def _run_bad_definition(rank: int, world_size: int, port: str) -> None:
         if rank in (0, 1):
             env = envs[(0, 1)]
             assert env is not None
-            model = DistributedModelParallel(
-                model_definition(),
-                env=env,
-                device=device,
-                plan=model_plan(2, 0),
-                sharders=model_sharders(),
-            )
+            model = sharded_model(env, model_plan(2, 0), device, weights=False)
         # rank 3 joins with a definition whose table t3 has other rows
         definition = model_definition(ebc_rows=[24, 27, 30, 99] if rank == 3 else None)
         try:

@@ -22,27 +22,20 @@ from typing import Any, Dict, List, Optional
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 from torchrec.distributed.batched_embedding_kernel import (
     BatchedDenseEmbeddingBag,
     BatchedFusedEmbeddingBag,
     kernel_build_hooks,
     KernelBuildHooks,
 )
-from torchrec.distributed.embedding_sharding import group_tables
 from torchrec.distributed.embedding_types import (
     EmbeddingComputeKernel,
     GroupedEmbeddingConfig,
-    ShardedEmbeddingTable,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    grouped_config,
     single_rank_process_group,
 )
-from torchrec.modules.embedding_configs import DataType, PoolingType
 
 ROWS: int = 8
 DIM: int = 4
@@ -52,34 +45,13 @@ MARK: float = 12345.0
 
 def _config(kernel: EmbeddingComputeKernel) -> GroupedEmbeddingConfig:
     """One kernel of two whole ROWS x DIM tables (fused: SGD, no state)."""
-    tables = []
-    for name in ("a", "b"):
-        metadata = ShardMetadata([0, 0], [ROWS, DIM], "rank:0/cpu")
-        tables.append(
-            ShardedEmbeddingTable(
-                name=name,
-                num_embeddings=ROWS,
-                embedding_dim=DIM,
-                feature_names=[f"f_{name}"],
-                data_type=DataType.FP32,
-                pooling=PoolingType.SUM,
-                compute_kernel=kernel,
-                local_rows=ROWS,
-                local_cols=DIM,
-                local_metadata=metadata,
-                global_metadata=ShardedTensorMetadata(
-                    shards_metadata=[metadata],
-                    size=torch.Size([ROWS, DIM]),
-                    tensor_properties=TensorProperties(dtype=torch.float32),
-                ),
-                fused_params={
-                    "optimizer": EmbOptimType.EXACT_SGD,
-                    "learning_rate": 0.1,
-                },
-            )
-        )
-    ((config,),) = group_tables([tables])
-    return config
+    return grouped_config(
+        ["a", "b"],
+        {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1},
+        ROWS,
+        DIM,
+        kernel,
+    )
 
 
 class _Hooks(KernelBuildHooks):

@@ -22,57 +22,27 @@ from typing import List
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 from torchrec.distributed.batched_embedding_kernel import (
     BatchedDenseEmbeddingBag,
     BatchedFusedEmbeddingBag,
 )
-from torchrec.distributed.embedding_sharding import group_tables
 from torchrec.distributed.embedding_types import (
     EmbeddingComputeKernel,
     GroupedEmbeddingConfig,
-    ShardedEmbeddingTable,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    grouped_config,
     single_rank_process_group,
 )
-from torchrec.modules.embedding_configs import DataType, PoolingType
 
 
 def _config(names: List[str], kernel: EmbeddingComputeKernel) -> GroupedEmbeddingConfig:
     """One kernel's worth of whole 8 x 4 tables."""
-    tables = []
-    for name in names:
-        metadata = ShardMetadata([0, 0], [8, 4], "rank:0/cpu")
-        tables.append(
-            ShardedEmbeddingTable(
-                name=name,
-                num_embeddings=8,
-                embedding_dim=4,
-                feature_names=[f"f_{name}"],
-                data_type=DataType.FP32,
-                pooling=PoolingType.SUM,
-                compute_kernel=kernel,
-                local_rows=8,
-                local_cols=4,
-                local_metadata=metadata,
-                global_metadata=ShardedTensorMetadata(
-                    shards_metadata=[metadata],
-                    size=torch.Size([8, 4]),
-                    tensor_properties=TensorProperties(dtype=torch.float32),
-                ),
-                fused_params={
-                    "optimizer": EmbOptimType.EXACT_ADAGRAD,
-                    "learning_rate": 0.1,
-                },
-            )
-        )
-    ((config,),) = group_tables([tables])
-    return config
+    return grouped_config(
+        names,
+        {"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.1},
+        kernel=kernel,
+    )
 
 
 class KernelReferenceCyclesTest(unittest.TestCase):

@@ -22,17 +22,14 @@ from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     delta,
     make_ebc,
-    make_plan,
     make_sharder,
-    process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
 )
-from torchrec.distributed.types import ShardingEnv
 
 FUSED: str = "fused"
 PLAN_A: Dict[str, TableSpec] = {"t0": ("table_wise", 0), "t1": ("table_wise", 1)}
@@ -40,20 +37,21 @@ PLAN_B: Dict[str, TableSpec] = {"t0": ("table_wise", 1), "t1": ("table_wise", 1)
 
 
 def _generations(rank: int, world_size: int, port: str, kind: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
-        unsharded: nn.Module
-        sharder: Any
-        if kind == "ebc":
-            unsharded, sharder = make_ebc(2), make_sharder("sgd")
-        else:
-            unsharded, sharder = make_ec(2), make_ec_sharder("sgd")
-        plan_a = make_plan(unsharded, PLAN_A, world_size, world_size, FUSED)
-        plan_b = make_plan(unsharded, PLAN_B, world_size, world_size, FUSED)
+    unsharded: nn.Module
+    sharder: Any
+    if kind == "ebc":
+        unsharded, sharder = make_ebc(2), make_sharder("sgd")
+    else:
+        unsharded, sharder = make_ec(2), make_ec_sharder("sgd")
+    with reshard_scenario(
+        rank, world_size, port, unsharded=unsharded, sharder=sharder
+    ) as scenario:
+        env, device = scenario.env, scenario.device
+        plan_a, plan_b = scenario.plans([PLAN_A, PLAN_B])
         if isinstance(sharder, EmbeddingCollectionSharder):
             module = sharder.shard(unsharded, plan_a, env, device)
         else:
-            module = shard(unsharded, sharder, plan_a, env, device)
+            module = scenario.shard(plan_a)
         assert module.reshard_generation == 0
 
         sharder.reshard(module, delta(plan_a, plan_b), env, device)

@@ -19,17 +19,7 @@ from typing import Any, Dict
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-from torchrec.distributed.embedding_sharding import group_tables
-from torchrec.distributed.embedding_types import (
-    EmbeddingComputeKernel,
-    ShardedEmbeddingTable,
-)
 from torchrec.distributed.embeddingbag import create_sharding_infos_by_sharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
 from torchrec.distributed.sharding_plan import (
@@ -37,10 +27,11 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    grouped_config,
     single_rank_process_group,
 )
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 FUSED_PARAMS: Dict[str, Any] = {
@@ -50,33 +41,11 @@ FUSED_PARAMS: Dict[str, Any] = {
 }
 
 
-def _table(name: str) -> ShardedEmbeddingTable:
-    metadata = ShardMetadata([0, 0], [8, 4], "rank:0/cpu")
-    return ShardedEmbeddingTable(
-        name=name,
-        num_embeddings=8,
-        embedding_dim=4,
-        feature_names=[f"f_{name}"],
-        data_type=DataType.FP32,
-        pooling=PoolingType.SUM,
-        compute_kernel=EmbeddingComputeKernel.FUSED,
-        local_rows=8,
-        local_cols=4,
-        local_metadata=metadata,
-        global_metadata=ShardedTensorMetadata(
-            shards_metadata=[metadata],
-            size=torch.Size([8, 4]),
-            tensor_properties=TensorProperties(dtype=torch.float32),
-        ),
-        fused_params=dict(FUSED_PARAMS),
-    )
-
-
 class TbeFusedParamsTest(unittest.TestCase):
     def test_group_tables_keeps_output_dtensor_out_of_the_tbe_arguments(
         self,
     ) -> None:
-        ((config,),) = group_tables([[_table("a"), _table("b")]])
+        config = grouped_config(["a", "b"], FUSED_PARAMS)
         assert config.fused_params is not None
         self.assertNotIn("output_dtensor", config.fused_params)
         self.assertEqual(config.fused_params["learning_rate"], 0.1)

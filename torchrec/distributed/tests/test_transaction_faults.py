@@ -28,9 +28,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import (
-    kernel_state,
     move_model,
     reshard_module,
     ReshardAbortedError,
@@ -38,6 +36,7 @@ from torchrec.distributed.resharding import (
     ReshardOptions,
     runner,
     shard_from_rank,
+    slots,
     unshard_model,
 )
 from torchrec.distributed.resharding.elastic import ModelMove
@@ -50,16 +49,14 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     model_definition,
     model_plan,
     model_sharders,
+    sharded_model,
     train_model,
 )
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     delta,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
     process_group,
     ReshardTestBase,
     shard,
@@ -128,7 +125,7 @@ def _fault(kind: Type[Participant], phase: str, faulty: bool) -> Any:
     if phase == "group":
         return mock.patch.object(runner, "open_exchange_group", _raise)
     if phase == "exchange":
-        return mock.patch.object(kernel_state, "read_piece", _faulty_read())
+        return mock.patch.object(slots, "read_piece", _faulty_read())
     return mock.patch.object(kind, "after_exchange", _raise)
 
 
@@ -180,16 +177,13 @@ PLAN_B = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", N
 
 
 def _run_reshard(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        env = ShardingEnv.from_process_group(pg)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, "fused")
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, "fused")
-        batches = make_batches(3, rows, 3, 4, seed=3)
-        module = shard(ebc, sharder, plan_a, env, device)
-        reference = shard(ebc, sharder, plan_a, env, device)
+    with reshard_scenario(rank, world_size, port, 3, timeout_s=60) as scenario:
+        pg, device, env = scenario.pg, scenario.device, scenario.env
+        plan_a = scenario.plan(PLAN_A)
+        plan_b = scenario.plan(PLAN_B)
+        batches = scenario.batches(3, seed=3)
+        module = scenario.shard(plan_a)
+        reference = scenario.shard(plan_a)
         for batch in batches[:2]:
             train_step(module, batch)
             train_step(reference, batch)
@@ -211,49 +205,86 @@ def _run_reshard(rank: int, world_size: int, port: str) -> None:
 
 
 def _model(env: ShardingEnv, device: torch.device, shift: int) -> nn.Module:
-    model = DistributedModelParallel(
-        model_definition(),
-        env=env,
-        device=device,
-        plan=model_plan(dist.get_world_size(env.process_group), shift),
-        sharders=model_sharders(),
+    plan = model_plan(dist.get_world_size(env.process_group), shift)
+    return sharded_model(env, plan, device)
+
+
+def _trained_model(env: ShardingEnv, device: torch.device, rank: int) -> Any:
+    """A model over ``env`` and its dense optimizer, after one training step."""
+    model = _model(env, device, 0)
+    optimizer = make_dense_optimizer(model)
+    train_model(model, optimizer, 0, rank)
+    return model, optimizer
+
+
+def _move(
+    model: nn.Module,
+    optimizer: Any,
+    env: ShardingEnv,
+    make_optimizer: Callable[[nn.Module], Any] = make_dense_optimizer,
+) -> Any:
+    """The move of the model onto the same ranks under the shifted plan."""
+    world_size = dist.get_world_size(env.process_group)
+    return move_model(
+        model,
+        model_plan(world_size, 1),
+        env,
+        participants=list(range(world_size)),
+        optimizer=optimizer,
+        make_optimizer=make_optimizer,
+        options=MODEL_OPTIONS,
     )
-    model.load_state_dict(model_definition("cpu").state_dict())
-    return model
 
 
 def _run_move(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model = _model(env, device, 0)
-        optimizer = make_dense_optimizer(model)
-        train_model(model, optimizer, 0, rank)
+        model, optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
-        ranks = list(range(world_size))
         for phase, expect in _each_fault(ModelMove, rank, pg):
             with expect:
-                move_model(
-                    model,
-                    model_plan(world_size, 1),
-                    env,
-                    participants=ranks,
-                    optimizer=optimizer,
-                    make_optimizer=make_dense_optimizer,
-                    options=MODEL_OPTIONS,
-                )
+                _move(model, optimizer, env)
             _assert_same_model_state(before, global_model_state(model, optimizer, pg))
-        moved = move_model(
-            model,
-            model_plan(world_size, 1),
-            env,
-            participants=ranks,
-            optimizer=optimizer,
-            make_optimizer=make_dense_optimizer,
-            options=MODEL_OPTIONS,
-        )
+        moved = _move(model, optimizer, env)
         assert moved.model is not None
         _assert_same_model_state(
             before, global_model_state(moved.model, moved.optimizer, pg)
+        )
+
+
+def _run_move_failing_make_optimizer(rank: int, world_size: int, port: str) -> None:
+    """
+    The caller's optimizer factory raises on one rank of the new group, after
+    every byte arrived: every rank raises ReshardAbortedError, the old model is
+    whole and trains on exactly as a model that was never moved.
+    """
+    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
+        env = ShardingEnv.from_process_group(pg)
+        model, optimizer = _trained_model(env, device, rank)
+        reference, ref_optimizer = _trained_model(env, device, rank)
+        before = global_model_state(model, optimizer, pg)
+
+        def failing_make_optimizer(new_model: nn.Module) -> Any:
+            if rank == 1:
+                raise RuntimeError("injected fault in make_optimizer")
+            return make_dense_optimizer(new_model)
+
+        raised: Optional[str] = None
+        try:
+            _move(model, optimizer, env, failing_make_optimizer)
+        except ReshardAbortedError as e:
+            raised = type(e).__name__
+        outcomes: List[Any] = [None] * world_size
+        dist.all_gather_object(outcomes, raised, group=pg)
+        assert outcomes == ["ReshardAbortedError"] * world_size, outcomes
+        _assert_same_model_state(before, global_model_state(model, optimizer, pg))
+        for step in (1, 2):
+            out = train_model(model, optimizer, step, rank)
+            ref_out = train_model(reference, ref_optimizer, step, rank)
+            assert torch.equal(out, ref_out), step
+        _assert_same_model_state(
+            global_model_state(reference, ref_optimizer, pg),
+            global_model_state(model, optimizer, pg),
         )
 
 
@@ -272,9 +303,7 @@ def _assert_same_model_state(a: Any, b: Any) -> None:
 def _run_unshard(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model = _model(env, device, 0)
-        optimizer = make_dense_optimizer(model)
-        train_model(model, optimizer, 0, rank)
+        model, optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
         for phase, expect in _each_fault(Unshard, rank, pg):
             with expect:
@@ -325,6 +354,9 @@ class TransactionFaultTest(ReshardTestBase):
 
     def test_faults_in_each_phase_of_a_move(self) -> None:
         self.run_ranks(_run_move, 2)
+
+    def test_move_with_a_failing_make_optimizer_keeps_the_old_model(self) -> None:
+        self.run_ranks(_run_move_failing_make_optimizer, 2)
 
     def test_faults_in_each_phase_of_an_unshard(self) -> None:
         self.run_ranks(_run_unshard, 2)

@@ -17,13 +17,13 @@ model's), and a model whose weights only rank 0 holds sharded onto the group
 import unittest
 
 import torch
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.unshard import shard_from_rank, unshard_model
 from torchrec.distributed.test_utils.reshard_model_utils import (
     make_dense_optimizer,
     model_definition,
     model_plan,
     model_sharders,
+    sharded_model,
     share_from,
     train_model,
 )
@@ -41,14 +41,7 @@ from torchrec.distributed.types import ShardingEnv
 def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
-        model = DistributedModelParallel(
-            model_definition(),
-            env=env,
-            device=device,
-            plan=model_plan(2, 1),
-            sharders=model_sharders(),
-        )
-        model.load_state_dict(model_definition("cpu").state_dict())
+        model = sharded_model(env, model_plan(2, 1), device)
         optimizer = make_dense_optimizer(model)
         for step in range(2):
             train_model(model, optimizer, step, rank)
@@ -85,13 +78,7 @@ def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> N
         sharded = shard_from_rank(
             source, model_plan(2, 0), env, src=0, sharders=model_sharders()
         )
-        direct = DistributedModelParallel(
-            model_definition(),
-            env=env,
-            device=device,
-            plan=model_plan(2, 0),
-            sharders=model_sharders(),
-        )
+        direct = sharded_model(env, model_plan(2, 0), device, weights=False)
         direct.load_state_dict(expected)  # every rank reads the weights
         assert_state_dicts_equal(direct.state_dict(), sharded.state_dict())
         assert_optimizer_states_equal(direct, sharded)

@@ -33,7 +33,7 @@ time a move leaves.
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from torchrec.distributed.resharding.elastic_plan import table_key
+from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.rebalance.load import LoadStatistics
 from torchrec.distributed.resharding.rebalance.placement import (

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torchrec.distributed.resharding.install import adapter_for
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # The per-rank figures of a window, in the order they are packed.

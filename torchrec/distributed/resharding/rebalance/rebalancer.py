@@ -44,10 +44,11 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.agreement import agree_among_ranks
-from torchrec.distributed.resharding.elastic_plan import table_key, TableShape
-from torchrec.distributed.resharding.install import adapter_for
-from torchrec.distributed.resharding.model import dry_run, DryRunReport, plan_delta
+from torchrec.distributed.resharding.elastic_plan import TableShape
+from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.model import dry_run, plan_delta
 from torchrec.distributed.resharding.model_view import (
     model_env,
     model_sharders,
@@ -101,6 +102,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
     Replanner,
     ReplanRequest,
 )
+from torchrec.distributed.resharding.runner import TransactionReport
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -253,10 +255,10 @@ def _measured_batch_size(stats: LoadStatistics) -> int:
     return max(1, round(max(sizes, default=1.0)))
 
 
-def _max_rank_bytes(report: DryRunReport) -> int:
-    ranks = set(report.bytes_sent) | set(report.bytes_received)
+def _max_rank_bytes(report: TransactionReport) -> int:
+    sent, received = report.bytes_sent_by_rank, report.bytes_received_by_rank
     return max(
-        (report.bytes_sent.get(r, 0) + report.bytes_received.get(r, 0) for r in ranks),
+        (sent.get(r, 0) + received.get(r, 0) for r in set(sent) | set(received)),
         default=0,
     )
 
@@ -701,7 +703,7 @@ class Rebalancer:
         decision = replace(
             decision,
             max_rank_bytes=max_rank_bytes,
-            bytes_moved=sum(report.bytes_sent.values()),
+            bytes_moved=sum(report.bytes_sent_by_rank.values()),
             move_seconds=cost,
         )
         if reason is not None:

@@ -8,7 +8,7 @@
 # pyre-strict
 
 """
-One-process tests of ``kernel_state`` and ``optimizer_state``: the local
+One-process tests of ``kernel_state``, ``slots`` and ``optimizer_state``: the local
 shards of batched kernels as slots whose weight and fused optimizer state are
 views of the kernels' storage, pieces read from one slot and written into
 another (per element, per row, row-wise state merged from column pieces), the
@@ -22,20 +22,11 @@ from typing import List
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
-from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharded_tensor import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
 from torchrec.distributed.batched_embedding_kernel import (
     BatchedDenseEmbeddingBag,
     BatchedFusedEmbeddingBag,
 )
-from torchrec.distributed.embedding_sharding import group_tables
-from torchrec.distributed.embedding_types import (
-    EmbeddingComputeKernel,
-    ShardedEmbeddingTable,
-)
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.fields import (
     Field,
     FieldKind,
@@ -45,25 +36,27 @@ from torchrec.distributed.resharding.fields import (
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     is_fused,
-    kept_in_place,
     local_slots,
-    LocalSlot,
     optimizer_state_layout,
-    read_piece,
-    RowwiseMerges,
-    target_piece,
-    write_piece,
-    zero_undelivered_state,
 )
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
 )
 from torchrec.distributed.resharding.plan import Rect, ReshardError, Transfer
+from torchrec.distributed.resharding.slots import (
+    kept_in_place,
+    LocalSlot,
+    read_piece,
+    RowwiseMerges,
+    target_piece,
+    write_piece,
+    zero_undelivered_state,
+)
 from torchrec.distributed.test_utils.multi_process_utils import (
+    grouped_config,
     single_rank_process_group,
 )
-from torchrec.modules.embedding_configs import DataType, PoolingType
 
 ROWS: int = 16
 COLS: int = 16
@@ -76,30 +69,8 @@ def _kernel(
     learning_rate: float = 0.25,
 ) -> nn.Module:
     """One batched kernel holding whole ROWS x COLS tables."""
-    tables = []
-    for name in names:
-        metadata = ShardMetadata([0, 0], [ROWS, COLS], "rank:0/cpu")
-        tables.append(
-            ShardedEmbeddingTable(
-                name=name,
-                num_embeddings=ROWS,
-                embedding_dim=COLS,
-                feature_names=[f"f_{name}"],
-                data_type=DataType.FP32,
-                pooling=PoolingType.SUM,
-                compute_kernel=kernel,
-                local_rows=ROWS,
-                local_cols=COLS,
-                local_metadata=metadata,
-                global_metadata=ShardedTensorMetadata(
-                    shards_metadata=[metadata],
-                    size=torch.Size([ROWS, COLS]),
-                    tensor_properties=TensorProperties(dtype=torch.float32),
-                ),
-                fused_params={"optimizer": optimizer, "learning_rate": learning_rate},
-            )
-        )
-    ((config,),) = group_tables([tables])
+    fused_params = {"optimizer": optimizer, "learning_rate": learning_rate}
+    config = grouped_config(names, fused_params, ROWS, COLS, kernel)
     kernel_type = (
         BatchedFusedEmbeddingBag
         if kernel == EmbeddingComputeKernel.FUSED

@@ -10,70 +10,60 @@
 """
 The transaction runner with a participant that records what it is asked to
 do, on a one-rank job: the phases in order, each timed and under
-``record_function``; a dry run stops after the agreement; a failure in any
-phase before the commit calls the one abort path and raises the phase's error
-type; nothing is committed then.
+``record_function``; the runner plans the participant's layouts and fills its
+new slots from its old ones (row-wise state joined from column pieces
+included) and reports what moved; a dry run stops after the agreement; a
+failure in any phase before the commit calls the one abort path and raises
+the phase's error type; nothing is committed then.
 """
 
 import unittest
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
-from torchrec.distributed.resharding.exchange import ExchangeStats
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import (
-    RankPlan,
+    PlacedShard,
     Rect,
     ReshardAbortedError,
     ReshardError,
-    Transfer,
+    TableLayout,
 )
 from torchrec.distributed.resharding.runner import (
-    ExchangePart,
     Participant,
     PHASES,
     run_transaction,
+    Slots,
+    TransactionLayouts,
 )
+from torchrec.distributed.resharding.slots import LocalSlot
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
 
 WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
+SUM = Field("sum", FieldKind.ROWS, torch.float32)
+WHOLE = Rect(0, 0, 3, 4)
+HALVES = (Rect(0, 0, 3, 2), Rect(0, 2, 3, 2))
 
 
-class _CopyIO:
-    """Pieces from one tensor into another (a local copy)."""
+class _Recorder(Participant[Any, Any]):
+    """
+    A table of one rank joined from two column shards into one: its weight
+    is copied, its row-wise state ("sum") merged from the two halves.
+    """
 
-    def __init__(self) -> None:
-        self.old = torch.arange(12, dtype=torch.float32).view(3, 4)
-        self.new = torch.zeros(3, 4)
-        self.finished = False
-
-    def resolve(self, t: Transfer, f: Field) -> torch.Tensor:
-        return self.old
-
-    def target(self, t: Transfer, f: Field) -> Optional[torch.Tensor]:
-        return self.new
-
-    def commit(self, t: Transfer, f: Field, data: torch.Tensor) -> None:
-        self.new.copy_(data.view(3, 4))
-
-    def kept(self, t: Transfer) -> bool:
-        return False
-
-    def finish(self) -> None:
-        self.finished = True
-
-
-class _Recorder(Participant):
     kind = "recorded"
 
     def __init__(self, fail: Optional[str] = None) -> None:
         self.calls: List[str] = []
         self.fail = fail
-        self.io = _CopyIO()
+        self.old = torch.arange(12, dtype=torch.float32).view(3, 4)
+        self.sums = (torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 4.0, 5.0]))
+        self.new = torch.zeros(3, 4)
+        self.new_sum = torch.zeros(3)
 
     def _call(self, name: str) -> None:
         self.calls.append(name)
@@ -83,8 +73,8 @@ class _Recorder(Participant):
     def ranks(self) -> List[int]:
         return [dist.get_rank()]
 
-    def digest(self) -> int:
-        return 7
+    def request(self) -> List[str]:
+        return ["7"]
 
     def prepare(self) -> Any:
         self._call("prepare")
@@ -94,12 +84,15 @@ class _Recorder(Participant):
         self.calls.append("merge")
         return [f["facts"] for f in facts]
 
-    def agreed(self, merged: Any) -> None:
+    def agreed(self, merged: Any) -> TransactionLayouts:
         self.calls.append(f"agreed {merged}")
-
-    def dry_run(self) -> Any:
-        self.calls.append("dry_run")
-        return "dry"
+        halves = tuple(PlacedShard(0, r) for r in HALVES)
+        whole = (PlacedShard(0, WHOLE),)
+        return TransactionLayouts(
+            {"t": TableLayout(3, 4, halves)},
+            {"t": TableLayout(3, 4, whole)},
+            {"t": (WEIGHT, SUM)},
+        )
 
     def build(self) -> None:
         self._call("build")
@@ -107,17 +100,27 @@ class _Recorder(Participant):
     def before_exchange(self, group: dist.ProcessGroup) -> None:
         self._call("before_exchange")
 
-    def exchange_part(self) -> ExchangePart:
-        self._call("exchange_part")
-        whole = Rect(0, 0, 3, 4)
-        local = Transfer("t", 0, 0, whole, whole, whole)
-        return ExchangePart(RankPlan((), (), (local,)), {"t": (WEIGHT,)}, self.io)
+    def slots(self) -> Tuple[Slots, Slots]:
+        self._call("slots")
+        old = {
+            ("t", r): LocalSlot(
+                "t",
+                r,
+                {"weight": self.old[:, r.col : r.col + r.cols], "sum": s},
+                {"sum": FieldKind.ROWS},
+            )
+            for r, s in zip(HALVES, self.sums)
+        }
+        tensors = {"weight": self.new, "sum": self.new_sum}
+        new = LocalSlot("t", WHOLE, tensors, {"sum": FieldKind.ROWS})
+        return old, {("t", WHOLE): new}
 
-    def after_exchange(self, group: dist.ProcessGroup, stats: ExchangeStats) -> None:
+    def after_exchange(self, group: dist.ProcessGroup) -> None:
         self._call("after_exchange")
 
-    def commit(self) -> None:
+    def commit(self) -> int:
         self.calls.append("commit")
+        return 0
 
     def abort(self) -> None:
         self.calls.append("abort")
@@ -137,14 +140,19 @@ class RunnerTest(unittest.TestCase):
                     "agreed [1]",
                     "build",
                     "before_exchange",
-                    "exchange_part",
+                    "slots",
                     "after_exchange",
                     "commit",
                 ],
             )
-            self.assertTrue(torch.equal(participant.io.new, participant.io.old))
-            self.assertTrue(participant.io.finished)
-            self.assertEqual(outcome.exchange.bytes_copied_locally, 48)
+            self.assertTrue(torch.equal(participant.new, participant.old))
+            # row-wise state joined from column pieces lands when the IO finishes
+            expected_sum = (participant.sums[0] + participant.sums[1]) / 2
+            self.assertTrue(torch.equal(participant.new_sum, expected_sum))
+            # the weight (48 B) and each half's row-wise state (12 B each)
+            self.assertEqual(outcome.bytes_copied_locally, 48 + 2 * 12)
+            self.assertEqual(outcome.tables_rebuilt, {"": ["t"]})
+            self.assertEqual(outcome.tables_moved, {"": ["t"]})
             phases = outcome.phases
             self.assertTrue(all(getattr(phases, p) > 0 for p in PHASES))
             self.assertAlmostEqual(
@@ -158,10 +166,12 @@ class RunnerTest(unittest.TestCase):
         with single_rank_process_group():
             participant = _Recorder()
             outcome = run_transaction(participant, dry_run=True)
-            self.assertEqual(outcome.dry_run, "dry")
-            self.assertEqual(
-                participant.calls, ["prepare", "merge", "agreed [1]", "dry_run"]
-            )
+            self.assertTrue(outcome.dry_run)
+            self.assertEqual(participant.calls, ["prepare", "merge", "agreed [1]"])
+            me = dist.get_rank()
+            self.assertEqual(outcome.bytes_sent_by_rank, {me: 0})
+            self.assertEqual(outcome.bytes_received_by_rank, {me: 0})
+            self.assertEqual(outcome.bytes_copied_locally, 0)
             self.assertEqual(outcome.phases.build, 0.0)
 
     def test_a_failure_before_the_commit_aborts(self) -> None:
@@ -169,7 +179,7 @@ class RunnerTest(unittest.TestCase):
             "prepare": ReshardError,
             "build": ReshardError,
             "before_exchange": ReshardAbortedError,
-            "exchange_part": ReshardAbortedError,
+            "slots": ReshardAbortedError,
             "after_exchange": ReshardAbortedError,
         }
         with single_rank_process_group():

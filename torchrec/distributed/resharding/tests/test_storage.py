@@ -8,9 +8,9 @@
 # pyre-strict
 
 """
-One-process tests of ``storage``: the batch keys that give runs of kept shards
-kernels of their own (the same on every rank, keeping the user's own key), the
-cap on kernels per group, and the keys a rebuilt group's tables get.
+One-process tests of ``kept_grouping``: the batch keys that give runs of kept
+shards kernels of their own (the same on every rank, keeping the user's own
+key), the cap on kernels per group, and the keys a rebuilt group's tables get.
 (The release of pages itself is tested in test_memory.py.)
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.resharding.storage import (
+from torchrec.distributed.resharding.kept_grouping import (
     BATCH_KEY,
     batch_keys,
     KeptBatchKey,
