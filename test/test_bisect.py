@@ -8,10 +8,11 @@ fit CI's budget on 2 cores:
 
 - torchrec 1.1.0, the seed's base: every entry's tests at its commit (so every
   in-package test runs once more, on 1.1.0, at the commit that introduces it);
-- torchrec 1.9.2 and 1.8.0: the fork imports at every commit, and the tests
-  run at the commits whose change differs from the neighbouring base's (a
-  variant of its own, or an entry the other base lacks): 1.9.2 against
-  1.8.0, 1.8.0 against 1.9.2. Every other commit of theirs is the same
+- torchrec 1.9.2 and 1.8.0: the fork imports at every commit (a commit that
+  changes no module imports as the one before it did), and the tests run at
+  the commits whose change differs from the neighbouring base's (a variant of
+  its own, or an entry the other base lacks): 1.9.2 against 1.8.0, 1.8.0
+  against 1.9.2. Every other commit of theirs is the same
   change as on that neighbour, and the installed suites (1.9.2's in full,
   1.8.0's subset, .ci/bases.txt) test where the stacks end.
 """
@@ -76,7 +77,7 @@ def test_every_commit_of_the_stack_works_on_its_own(version: str) -> None:
         + "\n\n"
         + "\n\n".join(f"==== {r.name}: {r.reason}\n{r.output[-4000:]}" for r in failed)
     )
-    tested = [r for r in results if r.reason != "imports only"]
+    tested = [r for r in results if not r.reason.startswith("imports only")]
     assert tested, "\n".join(lines)
     if other is None:
         assert len(tested) == len(results)

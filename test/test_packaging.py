@@ -131,3 +131,38 @@ def test_build_refuses_tampered_wheel(
     assert proc.returncode != 0
     output = proc.stdout + proc.stderr
     assert "refusing to build" in output and forklib.load_base(REPO).sha256 in output
+
+
+@pytest.mark.parametrize(
+    "version", [b.version for b in forklib.load_bases(REPO) if not b.default]
+)
+def test_every_other_base_builds(version: str, repo_copy: Path, tmp_path: Path) -> None:
+    """pip builds the fork on each base besides the installed default one
+    (TORCHREC_FORK_BASE selects it): a wheel versioned <base>+<local> with the
+    overlay's modules and every line the base's patches add."""
+    env = dict(os.environ, **{forklib.BASE_ENV: version})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-q", "-w", str(tmp_path / "wheels"), str(repo_copy)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with forklib.selected_base(version):
+        expected = forklib.fork_version(REPO)
+        series = forklib.load_series(REPO)
+    (wheel,) = (tmp_path / "wheels").glob("torchrec-*.whl")
+    assert wheel.name.startswith(f"torchrec-{expected}-")
+    files = forklib.wheel_contents(wheel)
+    for rel in forklib.overlay_files(REPO):
+        if rel.suffix == ".py":
+            assert files[rel.as_posix()] == (REPO / rel).read_bytes(), rel
+    for patch in series:
+        for rel, op, line in _changed_lines(patch.diff):
+            if op == "+" and rel in files and line not in files[rel].decode():
+                # a later patch of the series may take the line out again
+                later = series[series.index(patch) + 1 :]
+                assert any(
+                    (rel, "-", line) in _changed_lines(p.diff) for p in later
+                ), f"{patch.name}: {line!r} missing in {rel}"

@@ -1071,14 +1071,27 @@ def _advance(
         present += [rel for rel in writes if rel not in present]
         if run.only and entry.name not in run.only:
             continue
-        result = _check_entry(
-            run,
-            index,
-            entry,
-            writes,
-            present,
-            run.run_tests is None or run.run_tests(entry),
-        )
+        with_tests = run.run_tests is None or run.run_tests(entry)
+        if (
+            not with_tests
+            and results
+            and results[-1].ok
+            and results[-1].index == index - 1
+            and not _changes_a_module(changed + list(writes))
+            and entry_tests(writes, entry.patch.diff)
+        ):
+            # the same modules as the commit before, which imported them
+            result = BisectResult(
+                index,
+                entry.name,
+                entry_tests(writes, entry.patch.diff),
+                True,
+                "imports only, as the commit before: no module changed",
+                0.0,
+                "",
+            )
+        else:
+            result = _check_entry(run, index, entry, writes, present, with_tests)
         results.append(result)
         if run.log is not None:
             status = (
@@ -1093,6 +1106,12 @@ def _advance(
         if run.stop_first and not result.ok:
             break
     return results
+
+
+def _changes_a_module(paths: Sequence[str]) -> bool:
+    """Whether a commit that changes ``paths`` changes a module the fork
+    imports (a ``.py`` file that is not a test module)."""
+    return any(p.endswith(".py") and not fl.is_test_file(p) for p in paths)
 
 
 def _check_entry(
