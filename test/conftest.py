@@ -1,9 +1,11 @@
 """Fixtures of the fork-level tests (series integrity, packaging, tooling)."""
 
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -66,3 +68,39 @@ def repo_copy(tmp_path: Path) -> Iterator[Path]:
 def base_wheel() -> Path:
     """The verified upstream wheel (fetched or from the cache)."""
     return forklib.fetch_base_wheel(REPO)
+
+
+def run_fork(
+    repo: Path, *args: str, env_base: Optional[str] = None
+) -> subprocess.CompletedProcess:
+    """
+    Run tools/fork.py of ``repo`` as a user would.
+
+    Args:
+        repo (Path): the repository (or a copy of its build inputs).
+        *args (str): the command line.
+        env_base (Optional[str]): $TORCHREC_FORK_BASE for the run ("": unset);
+            None keeps this process's.
+
+    Returns:
+        subprocess.CompletedProcess: the finished run, output captured.
+    """
+    env = dict(os.environ)
+    if env_base is not None:
+        env.pop(forklib.BASE_ENV, None)
+        if env_base:
+            env[forklib.BASE_ENV] = env_base
+    return subprocess.run(
+        [sys.executable, str(repo / "tools" / "fork.py"), *args],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.fixture
+def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Select the oldest base, whose patches are the shared ones in patches/
+    (a test names another base with --base)."""
+    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)

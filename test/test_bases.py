@@ -5,32 +5,15 @@ patch is written once in patches/; where upstream's code differs, a base's
 variant in patches/base-VERSION/ serves that base and the newer ones."""
 
 import dataclasses
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_fork
 from tools import fork, forklib, stack
 
 VERSIONS = ["1.1.0", "1.8.0", "1.9.2"]
-
-
-def run_fork(repo: Path, *args: str, env_base: str = "") -> subprocess.CompletedProcess:
-    """Run tools/fork.py of ``repo`` as a user would (TORCHREC_FORK_BASE as given)."""
-    env = dict(os.environ)
-    env.pop(forklib.BASE_ENV, None)
-    if env_base:
-        env[forklib.BASE_ENV] = env_base
-    return subprocess.run(
-        [sys.executable, str(repo / "tools" / "fork.py"), *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
 
 
 @pytest.fixture
@@ -178,7 +161,7 @@ def test_variants_serve_newer_bases_and_say_why(no_base_env: None) -> None:
 def test_series_applies_and_is_refreshed_on_every_base() -> None:
     """tools/fork.py check: the one series applies to every base's wheel, is
     refreshed there, covers the overlay and applies upstream."""
-    proc = run_fork(REPO, "check")
+    proc = run_fork(REPO, "check", env_base="")
     assert proc.returncode == 0, proc.stderr
     for version in VERSIONS:
         assert f"OK on torchrec {version}:" in proc.stdout

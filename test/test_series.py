@@ -6,25 +6,11 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_fork
 from tools import fork, forklib
 
-
-@pytest.fixture(autouse=True)
-def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests work on the oldest base, whose patches are the shared
-    ones in patches/ (a test names another base with --base)."""
-    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)
-
-
-def run_fork(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run tools/fork.py of ``repo`` as a user would."""
-    return subprocess.run(
-        [sys.executable, str(repo / "tools" / "fork.py"), *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-    )
+#: These tests work on the oldest base, whose patches are the shared ones.
+pytestmark = pytest.mark.usefixtures("oldest_base")
 
 
 def break_first_patch(repo: Path) -> str:

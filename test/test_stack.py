@@ -4,31 +4,15 @@ round trip through a stack repository."""
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import List
 
 import pytest
-from conftest import REPO
+from conftest import REPO, run_fork
 from tools import forklib, stack
 
-
-def run_fork(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    """Run tools/fork.py of ``repo`` as a user would."""
-    return subprocess.run(
-        [sys.executable, str(repo / "tools" / "fork.py"), *args],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-    )
-
-
-@pytest.fixture(autouse=True)
-def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests work on the oldest base, whose patches are the shared ones
-    in patches/ (the tests of every base are in test_bases.py and
-    test_export.py)."""
-    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)
+#: These tests work on the oldest base, whose patches are the shared ones.
+pytestmark = pytest.mark.usefixtures("oldest_base")
 
 
 def add_to_series(repo: Path, after: str, lines: List[str]) -> None:
