@@ -30,7 +30,10 @@ runner takes every participant through the same phases, each under
 2. **build**: the participant builds what the new layout needs, detached from
    what runs now (:meth:`Participant.build`); the ranks agree again that every
    rank built;
-3. **exchange**: on a process group made for the transaction, the runner plans
+3. **exchange**: on the transaction's exchange group (``wire``: connected for
+   it, or kept from an earlier transaction of the same ranks when every rank
+   kept it, which the build's agreement decides), once this rank's device
+   finished the work queued on it, the runner plans
    this rank's part (``plan.plan_rank_transfers``) and the one executor
    (``exchange.execute_transfers``) fills the participant's new slots from its
    old ones (:meth:`Participant.slots`, read and written by ``slots.slot_io``);
@@ -41,8 +44,9 @@ runner takes every participant through the same phases, each under
    (:meth:`Participant.commit`), which does nothing that can fail.
 
 A failure anywhere before the commit calls :meth:`Participant.abort` (the one
-abort path) and leaves what runs exactly as it was. Every kind of transaction
-returns one :class:`TransactionReport`.
+abort path) and leaves what runs exactly as it was; a failure in the exchange
+aborts the exchange group too (never a shutdown that waits for a dead peer).
+Every kind of transaction returns one :class:`TransactionReport`.
 """
 
 import abc
@@ -79,7 +83,13 @@ from torchrec.distributed.resharding.plan import (
     text_digest,
 )
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
-from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
+from torchrec.distributed.resharding.wire import (
+    ExchangeGroup,
+    ExchangeGroups,
+    normalized_device,
+    same_kept_group,
+    synchronize_device,
+)
 from torchrec.distributed.types import ParameterSharding
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -192,6 +202,10 @@ class TransactionReport(ExchangeStats):
         deltas (Optional[Dict[str, Dict[str, ParameterSharding]]]): the facts
             of a reshard: module path -> its changed tables and their new
             sharding (None for the other kinds).
+        connect_seconds (float): of the exchange phase, the time this rank
+            took to connect the exchange group (0 when a kept one was reused).
+        exchange_group (str): the name of the exchange group used (the
+            transaction that connected it).
     """
 
     kind: str = ""
@@ -207,6 +221,8 @@ class TransactionReport(ExchangeStats):
     bytes_sent_by_rank: Dict[int, int] = field(default_factory=dict)
     bytes_received_by_rank: Dict[int, int] = field(default_factory=dict)
     deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
+    connect_seconds: float = 0.0
+    exchange_group: str = ""
 
     @property
     def seconds(self) -> float:
@@ -292,7 +308,7 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
         return None
 
     def device(self) -> torch.device:
-        """Where the exchange buffers live."""
+        """Where the exchange buffers live (the same type on every rank)."""
         return torch.device("cpu")
 
     def unchanged(self) -> str:
@@ -400,6 +416,8 @@ def run_transaction(
         _count_dry_run(report, layouts, ranks)
         return _finish(report, clock)
 
+    device = normalized_device(participant.device())
+    groups = options.exchange_groups or ExchangeGroups()
     with clock.phase("build"):
         error = None
         try:
@@ -407,18 +425,29 @@ def run_transaction(
         except Exception as e:
             error = _local_error(e, "building the new sharding")
         try:
-            built = agree_among_ranks(ranks, digest, error, None, timeout)
+            # whether every rank kept the same exchange group for these ranks
+            built = agree_among_ranks(
+                ranks,
+                digest,
+                error,
+                groups.kept_name(ranks, device),
+                timeout,
+                merge=same_kept_group,
+            )
         except BaseException:
             participant.abort()
             raise
 
     with clock.phase("exchange"):
-        stats, kept = _exchange(
-            participant, layouts, ranks, built.transaction, timeout, options
-        )
+        exchange = _Exchange(participant, ranks, device, timeout, options)
+        stats, kept = exchange.run(layouts, groups, built.transaction, built.merged)
     _count_exchange(report, stats, kept)
+    report.connect_seconds = exchange.connect_seconds
+    report.exchange_group = exchange.group_name
     with clock.phase("commit"):
         report.bytes_released = participant.commit()
+    if options.exchange_groups is None:
+        groups.close()  # made for this transaction alone
     return _finish(report, clock)
 
 
@@ -500,49 +529,91 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
     return report
 
 
-def _exchange(
-    participant: Participant[Any, Any],
-    layouts: TransactionLayouts,
-    ranks: Sequence[int],
-    transaction: str,
-    timeout: timedelta,
-    options: ReshardOptions,
-) -> Tuple[ExchangeStats, List[SlotKey]]:
-    me = dist.get_rank()
-    try:
-        group = open_exchange_group(ranks, transaction, timeout, participant.device())
-    except Exception as e:
-        participant.abort()
-        if isinstance(e, ReshardAbortedError):
-            raise
-        raise ReshardAbortedError(
-            f"rank {me}: could not connect the ranks of the {participant.kind} "
-            f"({type(e).__name__}: {e}); {participant.unchanged()}"
-        ) from e
-    try:
-        participant.before_exchange(group)
-        plan = plan_rank_transfers(layouts.old, layouts.new, ranks.index(me))
-        io = slot_io(*participant.slots(), layouts.fields)
-        stats = execute_transfers(
-            plan,
-            layouts.fields,
-            io,
-            group,
-            options.max_inflight_bytes,
-            participant.device(),
-            _progress_bar(options.progress and ranks[0] == me),
-        )
-        kept = list(io.in_place)
-        del io  # nothing of the transaction holds the old slots at the commit
-        participant.after_exchange(group)
-        # Nobody commits before everybody filled its new state.
-        group.barrier()
-    except Exception as e:
-        group.close()
-        participant.abort()
-        raise ReshardAbortedError(
-            f"rank {me}: the {participant.kind} failed in the exchange "
-            f"({type(e).__name__}: {e}); {participant.unchanged()}"
-        ) from e
-    group.close()
-    return stats, kept
+class _Exchange:
+    """The exchange phase of one transaction on this rank."""
+
+    def __init__(
+        self,
+        participant: Participant[Any, Any],
+        ranks: Sequence[int],
+        device: torch.device,
+        timeout: timedelta,
+        options: ReshardOptions,
+    ) -> None:
+        self._participant = participant
+        self._ranks = ranks
+        self._device = device
+        self._timeout = timeout
+        self._options = options
+        self.connect_seconds = 0.0
+        self.group_name = ""
+
+    def _open(
+        self, groups: ExchangeGroups, transaction: str, reuse: str
+    ) -> ExchangeGroup:
+        participant = self._participant
+        start = time.perf_counter()
+        try:
+            group = groups.open(
+                self._ranks, transaction, self._timeout, self._device, reuse
+            )
+        except Exception as e:
+            participant.abort()
+            if isinstance(e, ReshardAbortedError):
+                raise
+            raise ReshardAbortedError(
+                f"rank {dist.get_rank()}: could not connect the ranks of the "
+                f"{participant.kind} ({type(e).__name__}: {e}); "
+                f"{participant.unchanged()}"
+            ) from e
+        if group.name == transaction:
+            self.connect_seconds = time.perf_counter() - start
+        self.group_name = group.name
+        return group
+
+    def run(
+        self,
+        layouts: TransactionLayouts,
+        groups: ExchangeGroups,
+        transaction: str,
+        reuse: str,
+    ) -> Tuple[ExchangeStats, List[SlotKey]]:
+        """
+        Fills the participant's new state on the exchange group; aborts the
+        group and the participant on any failure.
+        """
+        participant, me = self._participant, dist.get_rank()
+        # The device finished what was queued on it (a pipeline's collectives,
+        # an optimizer step on another stream) before the exchange reads or
+        # writes the kernels' memory.
+        synchronize_device(self._device)
+        group = self._open(groups, transaction, reuse)
+        try:
+            participant.before_exchange(group)
+            plan = plan_rank_transfers(
+                layouts.old, layouts.new, list(self._ranks).index(me)
+            )
+            io = slot_io(*participant.slots(), layouts.fields)
+            stats = execute_transfers(
+                plan,
+                layouts.fields,
+                io,
+                group,
+                self._options.max_inflight_bytes,
+                self._device,
+                _progress_bar(self._options.progress and self._ranks[0] == me),
+            )
+            kept = list(io.in_place)
+            del io  # nothing of the transaction holds the old slots at the commit
+            participant.after_exchange(group)
+            # Nobody commits before everybody filled its new state.
+            group.barrier()
+            synchronize_device(self._device)
+        except Exception as e:
+            groups.discard(group)
+            participant.abort()
+            raise ReshardAbortedError(
+                f"rank {me}: the {participant.kind} failed in the exchange "
+                f"({type(e).__name__}: {e}); {participant.unchanged()}"
+            ) from e
+        return stats, kept

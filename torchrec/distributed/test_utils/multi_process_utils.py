@@ -85,7 +85,12 @@ def process_group(
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        # NCCL connects at once, bound to the rank's GPU
+        device_id=device if use_cuda else None,
     )
     try:
         yield dist.group.WORLD, device
