@@ -52,6 +52,7 @@ from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
+    check_movable_kernels,
     dense_specs,
     MoveFacts,
     plan_layouts,
@@ -68,7 +69,10 @@ from torchrec.distributed.resharding.kept_grouping import (
     KeptRun,
     run_facts,
 )
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.kernel_state import (
+    batched_kernels,
+    invalidate_caches,
+)
 from torchrec.distributed.resharding.model_view import (
     attached_to_pipeline,
     broadcast_dense,
@@ -77,6 +81,7 @@ from torchrec.distributed.resharding.model_view import (
     dense_tensors,
     model_facts,
     release_model,
+    sharded_lookups,
     sharded_modules,
     sharded_slots,
     table_weights,
@@ -254,6 +259,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         return facts
 
     def _model_facts(self, model: nn.Module) -> MoveFacts:
+        check_movable_kernels(model.plan)
         facts = model_facts(model)
         modules = sharded_modules(model.module)
         facts.has_optimizer = self._optimizer is not None
@@ -425,6 +431,8 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     def after_exchange(self, group: ExchangeGroup) -> None:
         agreed = self._agreed
         assert agreed is not None
+        if self._new_model is not None:
+            invalidate_caches(sharded_lookups(self._new_model.module))
         src = self._index(agreed.old_ranks[0])
         me = self._index(self._me)
         broadcast_dense(

@@ -33,6 +33,7 @@ from torchrec.distributed.resharding.fields import (
 )
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
+    MOVABLE_COMPUTE_KERNELS,
     PlacedShard,
     Rect,
     ReshardError,
@@ -288,6 +289,27 @@ def check_move_agreement(
         first.dense or [],
         first.has_optimizer,
     )
+
+
+def check_movable_kernels(plan: ShardingPlan) -> None:
+    """
+    Checks that every table of a running model's plan sits in a kernel whose
+    state can be read (before any byte moves: a move, an unshard).
+
+    Args:
+        plan (ShardingPlan): the model's plan.
+
+    Raises:
+        ReshardError: naming the module, the table and its compute kernel.
+    """
+    for path in sorted(plan.plan):
+        for name, ps in sorted(plan.plan[path].items()):  # pyre-ignore[16]
+            if ps.compute_kernel not in MOVABLE_COMPUTE_KERNELS:
+                raise ReshardError(
+                    f"module '{path}': table '{name}': its compute kernel "
+                    f"'{ps.compute_kernel}' cannot be moved (movable: "
+                    f"{', '.join(MOVABLE_COMPUTE_KERNELS)})"
+                )
 
 
 def validate_new_plan(

@@ -186,6 +186,15 @@ def dense_tensors(
     return dict(sorted(out.items()))
 
 
+def sharded_lookups(root: nn.Module) -> List[nn.Module]:
+    """The lookups of every sharded module of ``root``, in module order."""
+    return [
+        lookup
+        for module in sharded_modules(root).values()
+        for lookup in adapter_for(module).lookups()
+    ]
+
+
 def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
     """This rank's shards of every sharded module, keyed by "path:table"."""
     out: Dict[SlotKey, LocalSlot] = {}

@@ -85,9 +85,15 @@ KERNEL_OPTIONS: Tuple[str, ...] = (
     "key_value_params",
 )
 
+# The kernels upstream reshards: weights in HBM (FUSED), in unified memory
+# (FUSED_UVM) and in unified memory behind an HBM cache (FUSED_UVM_CACHING,
+# flushed before any read; on CPU all three hold their weights on the host).
+# Key-value and SSD kernels keep rows outside the kernel: they cannot move.
 MOVABLE_COMPUTE_KERNELS: Tuple[str, ...] = (
     EmbeddingComputeKernel.DENSE.value,
     EmbeddingComputeKernel.FUSED.value,
+    EmbeddingComputeKernel.FUSED_UVM.value,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
 )
 
 

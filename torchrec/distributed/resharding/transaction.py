@@ -68,7 +68,10 @@ from torchrec.distributed.resharding.kept_grouping import (
     run_facts,
     user_batch_key,
 )
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.kernel_state import (
+    batched_kernels,
+    invalidate_caches,
+)
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
@@ -354,6 +357,11 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
                 keyed_slots(m.adapter.local_slots(m.groups.new_lookups), key)
             )
         return old_slots, new_slots
+
+    def after_exchange(self, group: ExchangeGroup) -> None:
+        for m in self._built():
+            assert m.groups is not None
+            invalidate_caches(m.groups.new_lookups)
 
     # ------------------------------------------------------ commit and abort
 

@@ -27,6 +27,7 @@ from torch import nn
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
+    check_movable_kernels,
     dense_specs,
     DenseSpec,
     MoveFacts,
@@ -37,6 +38,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     whole_on,
 )
 from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
+from torchrec.distributed.resharding.kernel_state import invalidate_caches
 from torchrec.distributed.resharding.model_view import (
     broadcast_dense,
     build_model,
@@ -50,6 +52,7 @@ from torchrec.distributed.resharding.model_view import (
     plain_weight,
     plain_weight_dtypes,
     release_model,
+    sharded_lookups,
     sharded_modules,
     sharded_slots,
 )
@@ -150,6 +153,7 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
             raise ReshardError(
                 f"rank {self._dst} is outside the model's group of {len(self._ranks)}"
             )
+        check_movable_kernels(self._model.plan)
         facts = model_facts(self._model)
         facts.new_group = facts.old_group
         if facts.old_ranks is not None:
@@ -356,6 +360,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
     def after_exchange(self, group: ExchangeGroup) -> None:
         agreed, model = self._agreed, self._new_model
         assert agreed is not None and model is not None
+        invalidate_caches(sharded_lookups(model.module))
         broadcast_dense(
             agreed.dense,
             self._source_dense,
