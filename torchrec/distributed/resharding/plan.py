@@ -1024,6 +1024,8 @@ def validate_parameter_sharding(
     cols: int,
     world_size: int,
     device_type: str,
+    group_rank: Optional[int] = None,
+    device_index: Optional[int] = None,
 ) -> TableLayout:
     """
     Checks that a new ParameterSharding can be moved to, and reads its layout.
@@ -1035,6 +1037,10 @@ def validate_parameter_sharding(
         cols (int): columns of the table.
         world_size (int): size of the process group.
         device_type (str): device type of the module ("cpu", "cuda", ...).
+        group_rank (Optional[int]): this rank in the group: its shards must
+            be placed on its own device index (``device_index``), which
+            TorchRec checks when it builds them.
+        device_index (Optional[int]): the index of this rank's device.
 
     Returns:
         TableLayout: the new layout.
@@ -1077,6 +1083,15 @@ def validate_parameter_sharding(
                 raise ReshardError(
                     f"table '{table}': shard placement {placement} is not on the "
                     f"module's device type '{device_type}'"
+                )
+            if (
+                rank == group_rank
+                and device_index is not None
+                and placement.device().index != device_index
+            ):
+                raise ReshardError(
+                    f"table '{table}': shard placement {placement} is not on "
+                    f"rank {rank}'s device {device_type}:{device_index}"
                 )
         _check_tiling(table, spec, rows, cols)
     if parameter_sharding.ranks is not None and any(

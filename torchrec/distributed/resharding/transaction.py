@@ -97,7 +97,7 @@ from torchrec.distributed.resharding.storage import (
     KeptStorage,
     storage_reuse_supported,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 @dataclass
@@ -217,7 +217,9 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
     ) -> None:
         self._requests = list(requests)
         self._env = env
-        self._device = device
+        self._device: Optional[torch.device] = (
+            normalized_device(device) if device is not None else None
+        )
         self._options = options
         self._modules: List[_ModuleReshard] = []
         self._decision: Optional[_Decision] = None

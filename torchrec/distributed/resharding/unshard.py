@@ -68,7 +68,7 @@ from torchrec.distributed.resharding.runner import (
 )
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 # module path -> table -> fused optimizer state key -> the whole table's state
@@ -197,6 +197,9 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
         self._modules = {}
         self._state = {}
 
+    def device(self) -> torch.device:
+        return normalized_device(self._model.device)
+
     def unchanged(self) -> str:
         return "the model is unchanged"
 
@@ -279,7 +282,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         self._env = env
         self._src = src
         self._sharders = sharders
-        self._device = device
+        self._device: torch.device = normalized_device(device)
         self._ranks: List[int] = dist.get_process_group_ranks(env.process_group)
         self._me: int = dist.get_rank()
         self._index: int = self._ranks.index(self._me)
@@ -294,7 +297,12 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         return self._ranks
 
     def request(self) -> List[str]:
-        return [described(sharding_plan_text, self._plan), str(self._src)]
+        # every rank exchanges on a device of the same type
+        return [
+            described(sharding_plan_text, self._plan),
+            str(self._src),
+            self._device.type,
+        ]
 
     def prepare(self) -> _SourceFacts:
         if not isinstance(self._src, int) or not 0 <= self._src < len(self._ranks):
@@ -302,7 +310,14 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
                 f"rank {self._src} is outside the group of {len(self._ranks)}"
             )
         defined = defined_tables(self._module, self._plan)
-        validate_new_plan(self._plan, defined, len(self._ranks), self._device.type)
+        validate_new_plan(
+            self._plan,
+            defined,
+            len(self._ranks),
+            self._device.type,
+            self._index,
+            self._device.index,
+        )
         if self._index != self._src:
             return _SourceFacts(tables_digest(defined), repr(defined))
         dense = dense_specs(_plain_dense(self._module, self._plan))
@@ -382,7 +397,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         self._source_dense = None
 
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     def unchanged(self) -> str:
         return "nothing was sharded"

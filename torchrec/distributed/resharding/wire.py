@@ -137,7 +137,7 @@ class ExchangeGroup:
             ExchangeGroup: the group; closing or aborting it leaves ``group``
             alone. On CUDA its rounds are coalesced (NCCL).
         """
-        device = device or torch.device("cpu")
+        device = normalized_device(device or torch.device("cpu"))
         return ExchangeGroup(
             backend=group,
             rank=dist.get_rank(group),
