@@ -27,9 +27,10 @@ runner takes every participant through the same phases, each under
    new layout of every table in the transaction's rank numbering, and the
    fields that travel with it (:meth:`Participant.agreed`). A dry run stops
    here and counts the bytes every rank would send and receive;
-2. **build**: the participant builds what the new layout needs, detached from
-   what runs now (:meth:`Participant.build`); the ranks agree again that every
-   rank built;
+2. **build**: on a GPU each rank first checks that the bytes the transaction
+   may add fit its free device memory (``device_memory``); the participant
+   builds what the new layout needs, detached from what runs now
+   (:meth:`Participant.build`); the ranks agree again that every rank built;
 3. **exchange**: on the transaction's exchange group (``wire``: connected for
    it, or kept from an earlier transaction of the same ranks when every rank
    kept it, which the build's agreement decides), once this rank's device
@@ -71,6 +72,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
+from torchrec.distributed.resharding.device_memory import (
+    check_fits,
+    estimate_peak,
+    free_device_bytes,
+    MemoryWatch,
+    NCCL_COMMUNICATOR_BYTES,
+)
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
@@ -206,6 +214,13 @@ class TransactionReport(ExchangeStats):
             took to connect the exchange group (0 when a kept one was reused).
         exchange_group (str): the name of the exchange group used (the
             transaction that connected it).
+        estimated_peak_bytes (int): the bound of the bytes the transaction
+            could add on this rank's device (``device_memory``; checked
+            against the free memory on CUDA).
+        peak_memory_bytes (int): the peak this rank reached (``memory_kind``).
+        memory_kind (str): what ``peak_memory_bytes`` counts:
+            "cuda_allocated" (device bytes allocated through PyTorch) or
+            "host_rss" (the process's resident set).
     """
 
     kind: str = ""
@@ -223,6 +238,9 @@ class TransactionReport(ExchangeStats):
     deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
     connect_seconds: float = 0.0
     exchange_group: str = ""
+    estimated_peak_bytes: int = 0
+    peak_memory_bytes: int = 0
+    memory_kind: str = ""
 
     @property
     def seconds(self) -> float:
@@ -418,12 +436,17 @@ def run_transaction(
 
     device = normalized_device(participant.device())
     groups = options.exchange_groups or ExchangeGroups()
+    watch = MemoryWatch(device)
     with clock.phase("build"):
         error = None
         try:
+            report.estimated_peak_bytes = _check_device_memory(
+                participant, layouts, ranks, device, options, groups
+            )
             participant.build()
         except Exception as e:
             error = _local_error(e, "building the new sharding")
+        watch.sample()
         try:
             # whether every rank kept the same exchange group for these ranks
             built = agree_among_ranks(
@@ -444,11 +467,41 @@ def run_transaction(
     _count_exchange(report, stats, kept)
     report.connect_seconds = exchange.connect_seconds
     report.exchange_group = exchange.group_name
+    watch.sample()
+    report.peak_memory_bytes, report.memory_kind = watch.peak(), watch.kind
     with clock.phase("commit"):
         report.bytes_released = participant.commit()
     if options.exchange_groups is None:
         groups.close()  # made for this transaction alone
     return _finish(report, clock)
+
+
+def _check_device_memory(
+    participant: Participant[Any, Any],
+    layouts: TransactionLayouts,
+    ranks: Sequence[int],
+    device: torch.device,
+    options: ReshardOptions,
+    groups: ExchangeGroups,
+) -> int:
+    """
+    The bound of the device bytes the transaction adds on this rank; on CUDA
+    refuses (``ReshardError``) when it does not fit the free memory.
+    """
+    connects = device.type == "cuda" and not groups.kept_name(ranks, device)
+    estimate = estimate_peak(
+        layouts.old,
+        layouts.new,
+        layouts.fields,
+        list(ranks).index(dist.get_rank()),
+        options.max_inflight_bytes,
+        layouts.dense_bytes,
+        NCCL_COMMUNICATOR_BYTES if connects else 0,
+    )
+    free = free_device_bytes(device)
+    if free is not None:
+        check_fits(estimate, free, device, participant.kind)
+    return estimate.total
 
 
 def _by_module(keys: Sequence[str]) -> Dict[str, List[str]]:
@@ -506,7 +559,8 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
     logger.info(
         "%s%s rank %d (%s): moved %s, rebuilt %d tables, sent %d B, received %d B "
         "(%d B in place), copied locally %d B, kept in place %d B, released %d B, "
-        "dense %d B in %.3f s (agree %.3f, build %.3f, exchange %.3f, commit %.3f)",
+        "dense %d B, peak %d B (%s) in %.3f s (agree %.3f, build %.3f, "
+        "exchange %.3f, commit %.3f)",
         report.kind,
         " dry run" if report.dry_run else "",
         report.rank,
@@ -520,6 +574,8 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
         report.bytes_kept_in_place,
         report.bytes_released,
         report.dense_bytes,
+        report.peak_memory_bytes,
+        report.memory_kind or "-",
         report.seconds,
         report.phases.agree,
         report.phases.build,

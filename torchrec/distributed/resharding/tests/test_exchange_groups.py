@@ -17,184 +17,69 @@ backend gets each round as one call; the device is normalised once and
 synchronised before the exchange touches kernel memory and before the commit.
 """
 
+import contextlib
 import unittest
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Tuple
 from unittest import mock
 
 import torch
-import torch.distributed as dist
-from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import (
-    PlacedShard,
-    Rect,
-    ReshardAbortedError,
-    TableLayout,
-)
-from torchrec.distributed.resharding.runner import (
-    Participant,
-    run_transaction,
-    Slots,
-    TransactionLayouts,
-)
-from torchrec.distributed.resharding.slots import LocalSlot
+from torchrec.distributed.resharding.plan import ReshardAbortedError
+from torchrec.distributed.resharding.runner import run_transaction
 from torchrec.distributed.resharding.wire import (
     ExchangeGroup,
-    ExchangeGroups,
     Message,
     normalized_device,
-    open_exchange_group,
     same_kept_group,
     synchronize_device,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
-
-WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
-WHOLE = Rect(0, 0, 4, 3)
-
-
-class _RecordingBackend:
-    """A real backend whose lifecycle calls are recorded."""
-
-    def __init__(self, backend: Any, calls: List[str]) -> None:
-        self._backend = backend
-        self.calls = calls
-
-    def abort(self) -> None:
-        self.calls.append("abort")
-        self._backend.abort()
-
-    def shutdown(self) -> None:
-        self.calls.append("shutdown")
-        self._backend.shutdown()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.calls.append(f"set_timeout {timeout.total_seconds():g}")
-        self._backend.set_timeout(timeout)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-
-class _RecordingGroups(ExchangeGroups):
-    """Kept groups whose backends record their lifecycle calls."""
-
-    def __init__(self, calls: List[str]) -> None:
-        super().__init__()
-        self.calls = calls
-
-    def connect(
-        self,
-        global_ranks: Sequence[int],
-        transaction: str,
-        timeout: timedelta,
-        device: torch.device,
-    ) -> ExchangeGroup:
-        self.calls.append("connect")
-        group = open_exchange_group(global_ranks, transaction, timeout)
-        return ExchangeGroup(
-            _RecordingBackend(group.backend, self.calls),
-            group.rank,
-            group.size,
-            group.timeout,
-            group.device,
-            owned=True,
-            name=group.name,
-        )
-
-
-class _Copy(Participant[Any, Any]):
-    """One table of one rank copied into a new slot; may fail after the fill."""
-
-    kind = "copy"
-
-    def __init__(
-        self,
-        calls: List[str],
-        fail: bool = False,
-        device: Optional[torch.device] = None,
-    ) -> None:
-        self.calls = calls
-        self.fail = fail
-        self._device = device or torch.device("cpu")
-        self.old = torch.arange(12, dtype=torch.float32).view(4, 3)
-        self.new = torch.zeros(4, 3)
-
-    def ranks(self) -> List[int]:
-        return [dist.get_rank()]
-
-    def request(self) -> List[str]:
-        return ["copy"]
-
-    def prepare(self) -> Any:
-        return None
-
-    def agreed(self, merged: Any) -> TransactionLayouts:
-        layout = TableLayout(4, 3, (PlacedShard(0, WHOLE),))
-        return TransactionLayouts({"t": layout}, {"t": layout}, {"t": (WEIGHT,)})
-
-    def build(self) -> None:
-        self.new.zero_()
-
-    def slots(self) -> Tuple[Slots, Slots]:
-        self.calls.append("slots")
-        old = LocalSlot("t", WHOLE, {"weight": self.old})
-        new = LocalSlot("t", WHOLE, {"weight": self.new})
-        return {("t", WHOLE): old}, {("t", WHOLE): new}
-
-    def after_exchange(self, group: ExchangeGroup) -> None:
-        if self.fail:
-            raise RuntimeError("injected after the fill")
-
-    def commit(self) -> int:
-        self.calls.append("commit")
-        return 0
-
-    def abort(self) -> None:
-        self.calls.append("participant abort")
-
-    def device(self) -> torch.device:
-        return self._device
+from torchrec.distributed.test_utils.transaction_doubles import (
+    CopyParticipant,
+    RecordingGroups,
+)
 
 
 class FailureSemanticsTest(unittest.TestCase):
     def test_a_success_shuts_the_transactions_group_down(self) -> None:
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         with single_rank_process_group():
             with mock.patch(
                 "torchrec.distributed.resharding.runner.ExchangeGroups",
                 return_value=groups,
             ):
-                report = run_transaction(_Copy(calls))
-        self.assertEqual(calls, ["connect", "slots", "commit", "shutdown"])
+                report = run_transaction(CopyParticipant(calls))
+        self.assertEqual(calls, ["build", "connect", "slots", "commit", "shutdown"])
         self.assertGreater(report.connect_seconds, 0.0)
 
     def test_a_failure_aborts_the_group_and_never_shuts_it_down(self) -> None:
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         with single_rank_process_group():
             with mock.patch(
                 "torchrec.distributed.resharding.runner.ExchangeGroups",
                 return_value=groups,
             ):
                 with self.assertRaisesRegex(ReshardAbortedError, "injected"):
-                    run_transaction(_Copy(calls, fail=True))
-        self.assertEqual(calls, ["connect", "slots", "abort", "participant abort"])
+                    run_transaction(CopyParticipant(calls, fail=True))
+        self.assertEqual(
+            calls, ["build", "connect", "slots", "abort", "participant abort"]
+        )
 
 
 class KeptGroupsTest(unittest.TestCase):
     def test_one_connection_serves_every_transaction_of_the_ranks(self) -> None:
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         options = ReshardOptions(exchange_groups=groups)
         with single_rank_process_group():
-            first = _Copy(calls)
+            first = CopyParticipant(calls)
             a = run_transaction(first, options)
-            b = run_transaction(_Copy(calls), options)
+            b = run_transaction(CopyParticipant(calls), options)
             self.assertTrue(torch.equal(first.new, first.old))
             self.assertEqual(groups.connected, 1)
             self.assertEqual(a.exchange_group, b.exchange_group)
@@ -205,14 +90,14 @@ class KeptGroupsTest(unittest.TestCase):
 
     def test_a_failure_replaces_the_kept_group(self) -> None:
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         options = ReshardOptions(exchange_groups=groups)
         with single_rank_process_group():
-            a = run_transaction(_Copy(calls), options)
+            a = run_transaction(CopyParticipant(calls), options)
             with self.assertRaises(ReshardAbortedError):
-                run_transaction(_Copy(calls, fail=True), options)
+                run_transaction(CopyParticipant(calls, fail=True), options)
             self.assertEqual(calls.count("abort"), 1)
-            c = run_transaction(_Copy(calls), options)
+            c = run_transaction(CopyParticipant(calls), options)
             self.assertEqual(groups.connected, 2)
             self.assertNotEqual(a.exchange_group, c.exchange_group)
             groups.close()
@@ -221,14 +106,14 @@ class KeptGroupsTest(unittest.TestCase):
 
     def test_a_new_timeout_reaches_the_kept_backend(self) -> None:
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         with single_rank_process_group():
             for seconds in (30, 40):
                 options = ReshardOptions(
                     exchange_timeout=timedelta(seconds=seconds),
                     exchange_groups=groups,
                 )
-                run_transaction(_Copy(calls), options)
+                run_transaction(CopyParticipant(calls), options)
             groups.close()
         self.assertIn("set_timeout 40", calls)
         self.assertEqual(groups.connected, 1)
@@ -300,6 +185,15 @@ class CoalescingTest(unittest.TestCase):
             self.assertFalse(ExchangeGroup.over(pg).coalesced)
 
 
+def _cuda_memory_of_a_machine_without_cuda() -> Any:
+    """torch.cuda's memory figures, for a participant on a GPU this host lacks."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("torch.cuda.mem_get_info", return_value=(2**40, 2**40)))
+    stack.enter_context(mock.patch("torch.cuda.memory_allocated", return_value=0))
+    stack.enter_context(mock.patch("torch.cuda.max_memory_allocated", return_value=0))
+    return stack
+
+
 class DeviceTest(unittest.TestCase):
     def test_cuda_without_index_is_the_current_device(self) -> None:
         with mock.patch("torch.cuda.current_device", return_value=3):
@@ -324,19 +218,20 @@ class DeviceTest(unittest.TestCase):
         # A one-rank exchange of local copies: the device is normalised once
         # and synchronised before the slots are read and before the commit.
         calls: List[str] = []
-        groups = _RecordingGroups(calls)
+        groups = RecordingGroups(calls)
         options = ReshardOptions(exchange_groups=groups)
         with single_rank_process_group(), mock.patch(
             "torch.cuda.current_device", return_value=1
         ), mock.patch(
             "torchrec.distributed.resharding.runner.synchronize_device",
             side_effect=lambda d: calls.append(f"synchronize {d}"),
-        ):
-            run_transaction(_Copy(calls, device=torch.device("cuda")), options)
+        ), _cuda_memory_of_a_machine_without_cuda():
+            run_transaction(CopyParticipant(calls, device=torch.device("cuda")), options)
             groups.close()
         self.assertEqual(
             calls,
             [
+                "build",
                 "synchronize cuda:1",
                 "connect",
                 "slots",
