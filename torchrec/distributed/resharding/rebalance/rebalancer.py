@@ -335,7 +335,8 @@ class Rebalancer:
                 f"the topology has {topology.world_size} ranks, the model's "
                 f"process group {self._world_size}"
             )
-        self.policy: RebalancePolicy = policy
+        # a move's assumed bandwidth before one was measured: the device's
+        self.policy: RebalancePolicy = policy.on_device(model.device.type)
         self._model = model
         self._topology = topology
         self._batch_size = batch_size
