@@ -19,6 +19,7 @@ process).
 
 import contextlib
 import os
+import socket
 from datetime import timedelta
 from typing import (
     Any,
@@ -96,6 +97,13 @@ def process_group(
         yield dist.group.WORLD, device
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> str:
+    """A TCP port free on localhost now (for a one-rank job in this process)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return str(s.getsockname()[1])
 
 
 @contextlib.contextmanager

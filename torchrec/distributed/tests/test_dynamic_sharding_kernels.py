@@ -34,6 +34,7 @@ from torchrec.distributed.resharding import (
 from torchrec.distributed.resharding.elastic_plan import check_movable_kernels
 from torchrec.distributed.resharding.kernel_state import batched_kernels, shard_weight
 from torchrec.distributed.resharding.plan import Rect
+from torchrec.distributed.test_utils.multi_process_utils import free_port
 from torchrec.distributed.test_utils.reshard_model_utils import (
     model_plan,
     sharded_model,
@@ -51,14 +52,6 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 FUSED = EmbeddingComputeKernel.FUSED.value
 UVM = EmbeddingComputeKernel.FUSED_UVM.value
 CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
-
-
-def _free_port() -> str:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return str(s.getsockname()[1])
 
 
 def _with_kernels(plan: Dict[str, Any], kernels: Dict[str, str]) -> Dict[str, Any]:
@@ -103,7 +96,7 @@ class _KernelCalls:
 
 class EveryKernelTest(unittest.TestCase):
     def test_tables_move_between_hbm_uvm_and_cached_kernels(self) -> None:
-        with reshard_scenario(0, 1, _free_port(), num_tables=3) as s:
+        with reshard_scenario(0, 1, free_port(), num_tables=3) as s:
             old = _with_kernels(
                 s.plan(
                     {
@@ -136,7 +129,7 @@ class EveryKernelTest(unittest.TestCase):
             assert_same_training(module, reference, batches[1:], FUSED, s.device)
 
     def test_every_kernel_read_is_flushed_first(self) -> None:
-        with reshard_scenario(0, 1, _free_port(), num_tables=2) as s:
+        with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
             old = _with_kernels(
                 s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
                 {"t0": CACHING, "t1": UVM},
@@ -171,7 +164,7 @@ class EveryKernelTest(unittest.TestCase):
 
     def test_new_kernels_start_with_an_empty_cache(self) -> None:
         purged: List[Any] = []
-        with reshard_scenario(0, 1, _free_port(), num_tables=2) as s:
+        with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
             old = _with_kernels(
                 s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
                 {"t0": UVM, "t1": UVM},
@@ -206,7 +199,7 @@ class RefusalTest(unittest.TestCase):
         check_movable_kernels(model_plan(1, 0))
 
     def test_unshard_refuses_before_anything_moves(self) -> None:
-        with reshard_scenario(0, 1, _free_port(), num_tables=1) as s:
+        with reshard_scenario(0, 1, free_port(), num_tables=1) as s:
             model, plan = _model_with_kernel(s.env, FUSED)
             before = global_weights(model, s.pg)
             plan.plan["ebc"]["t1"].compute_kernel = "key_value"  # pyre-ignore[16]
