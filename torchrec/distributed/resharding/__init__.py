@@ -70,6 +70,7 @@ from torchrec.distributed.resharding.unshard import (  # noqa
     unshard_model,
     UnshardedModel,
 )
+from torchrec.distributed.resharding.wire import ExchangeGroups  # noqa
 
 __all__ = [
     "PhaseTimes",
@@ -80,6 +81,7 @@ __all__ = [
     "ReshardError",
     "ReshardOptions",
     "StorageMode",
+    "ExchangeGroups",
     "dry_run",
     "dry_run_move",
     "move_model",

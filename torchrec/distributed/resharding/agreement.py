@@ -64,7 +64,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+from torch.distributed import constants
 from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
 
 Merge = Callable[[List[Any]], Any]
@@ -484,9 +484,13 @@ def agree_among_ranks(
 
 def job_store() -> dist.Store:
     """The store of the job's default process group, which every rank has."""
-    return c10d._get_default_store()
+    world = dist.group.WORLD
+    assert world is not None, "live resharding needs an initialised process group"
+    return world.get_group_store()
 
 
 def default_timeout() -> timedelta:
-    """The default process group's backend's timeout."""
-    return c10d._get_default_timeout(dist.get_backend(c10d._get_default_group()))
+    """The library's default timeout of the default process group's backend."""
+    if dist.get_backend() == dist.Backend.NCCL:
+        return constants.default_pg_nccl_timeout or constants.default_pg_timeout
+    return constants.default_pg_timeout

@@ -52,6 +52,7 @@ from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
+    check_movable_kernels,
     dense_specs,
     MoveFacts,
     plan_layouts,
@@ -68,7 +69,10 @@ from torchrec.distributed.resharding.kept_grouping import (
     KeptRun,
     run_facts,
 )
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.kernel_state import (
+    batched_kernels,
+    invalidate_caches,
+)
 from torchrec.distributed.resharding.model_view import (
     attached_to_pipeline,
     broadcast_dense,
@@ -77,6 +81,7 @@ from torchrec.distributed.resharding.model_view import (
     dense_tensors,
     model_facts,
     release_model,
+    sharded_lookups,
     sharded_modules,
     sharded_slots,
     table_weights,
@@ -101,7 +106,7 @@ from torchrec.distributed.resharding.storage import (
     KeptStorage,
     storage_reuse_supported,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -219,7 +224,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         self._make_optimizer = make_optimizer
         if device is None:
             device = model.device if model is not None else torch.device("cpu")
-        self._device: torch.device = device
+        self._device: torch.device = normalized_device(device)
         self._options: ReshardOptions = options or ReshardOptions()
         self._runs: List[KeptRun] = []
         self._agreed: Optional[AgreedMove] = None
@@ -249,11 +254,13 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
             raise ReshardError(f"rank {self._me} calls but is not among {self._union}")
         model = self._model
         facts = self._model_facts(model) if model is not None else MoveFacts()
+        facts.device_type = self._device.type
         if self._new_env is not None:
             self._new_group_facts(facts)
         return facts
 
     def _model_facts(self, model: nn.Module) -> MoveFacts:
+        check_movable_kernels(model.plan)
         facts = model_facts(model)
         modules = sharded_modules(model.module)
         facts.has_optimizer = self._optimizer is not None
@@ -278,7 +285,14 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         if self._sharders is None:
             raise ReshardError("a rank that joins must pass the sharders")
         defined = defined_tables(self._definition, self._new_plan)
-        validate_new_plan(self._new_plan, defined, len(new_ranks), self._device.type)
+        validate_new_plan(
+            self._new_plan,
+            defined,
+            len(new_ranks),
+            self._device.type,
+            new_ranks.index(self._me),
+            self._device.index,
+        )
         facts.defined = tables_digest(defined)
         facts.defined_text = repr(defined)
         if model is not None and self._may_keep_storage(model):
@@ -302,7 +316,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     def _may_keep_storage(self, model: nn.Module) -> bool:
         return (
             self._options.storage == StorageMode.REUSE
-            and self._device == model.device
+            and self._device == normalized_device(model.device)
             and storage_reuse_supported(self._device)
         )
 
@@ -425,6 +439,8 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     def after_exchange(self, group: ExchangeGroup) -> None:
         agreed = self._agreed
         assert agreed is not None
+        if self._new_model is not None:
+            invalidate_caches(sharded_lookups(self._new_model.module))
         src = self._index(agreed.old_ranks[0])
         me = self._index(self._me)
         broadcast_dense(
@@ -480,7 +496,11 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         self._runs = []
 
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        agreed = self._agreed
+        assert agreed is not None
+        if agreed.exchange_device_type != self._device.type:
+            return torch.device("cpu")  # mixed devices: gloo, host buffers
+        return self._device
 
     def unchanged(self) -> str:
         return "the model on the old group is unchanged"

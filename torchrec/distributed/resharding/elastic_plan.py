@@ -33,6 +33,7 @@ from torchrec.distributed.resharding.fields import (
 )
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
+    MOVABLE_COMPUTE_KERNELS,
     PlacedShard,
     Rect,
     ReshardError,
@@ -155,6 +156,8 @@ class MoveFacts:
         pipelined (Optional[List[str]]): modules attached to a train pipeline.
         kept_runs (Optional[Dict[str, List[List[str]]]]): this rank's runs of
             kept shards (``kept_grouping.run_facts``).
+        device_type (str): the type of this rank's device (the model's, or
+            the one a joining rank builds on).
     """
 
     old_group: Optional[int] = None
@@ -172,6 +175,7 @@ class MoveFacts:
     has_optimizer: bool = False
     pipelined: Optional[List[str]] = None
     kept_runs: Optional[Dict[str, List[List[str]]]] = None
+    device_type: str = "cpu"
 
 
 def tables_digest(tables: Mapping[str, Sequence[TableShape]]) -> int:
@@ -196,6 +200,9 @@ class AgreedMove:
     has_optimizer: bool
     # module path -> table -> its batch key (``kept_grouping.batch_keys``)
     batch_keys: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    # the device type every participant exchanges on: theirs when they all
+    # have the same (NCCL on CUDA), else the host (gloo)
+    exchange_device_type: str = "cpu"
 
     def transaction_ranks(self, group: Sequence[int]) -> List[int]:
         """The transaction rank of each rank of a group."""
@@ -287,7 +294,45 @@ def check_move_agreement(
         table_facts,
         first.dense or [],
         first.has_optimizer,
+        exchange_device_type=exchange_device_type([f.device_type for f in all_facts]),
     )
+
+
+def exchange_device_type(device_types: Sequence[str]) -> str:
+    """
+    Where the participants of a move exchange: on their device when every one
+    has a device of the same type (CUDA: NCCL, straight between the kernels'
+    memory), else on the host (gloo, through host buffers).
+
+    Args:
+        device_types (Sequence[str]): each participant's device type.
+
+    Returns:
+        str: the exchange's device type.
+    """
+    types = set(device_types)
+    return types.pop() if len(types) == 1 else "cpu"
+
+
+def check_movable_kernels(plan: ShardingPlan) -> None:
+    """
+    Checks that every table of a running model's plan sits in a kernel whose
+    state can be read (before any byte moves: a move, an unshard).
+
+    Args:
+        plan (ShardingPlan): the model's plan.
+
+    Raises:
+        ReshardError: naming the module, the table and its compute kernel.
+    """
+    for path in sorted(plan.plan):
+        for name, ps in sorted(plan.plan[path].items()):  # pyre-ignore[16]
+            if ps.compute_kernel not in MOVABLE_COMPUTE_KERNELS:
+                raise ReshardError(
+                    f"module '{path}': table '{name}': its compute kernel "
+                    f"'{ps.compute_kernel}' cannot be moved (movable: "
+                    f"{', '.join(MOVABLE_COMPUTE_KERNELS)})"
+                )
 
 
 def validate_new_plan(
@@ -295,9 +340,12 @@ def validate_new_plan(
     tables: Mapping[str, Sequence[TableShape]],
     world_size: int,
     device_type: str,
+    rank: Optional[int] = None,
+    device_index: Optional[int] = None,
 ) -> None:
     """
-    Checks a plan for a model's modules on a group of ``world_size`` ranks.
+    Checks a plan for a model's modules on a group of ``world_size`` ranks
+    (the shards of group rank ``rank``, if given, on its device's index).
 
     Raises:
         ReshardError: naming the module, table and reason.
@@ -319,7 +367,14 @@ def validate_new_plan(
         for name, rows, cols in shapes:
             try:
                 validate_parameter_sharding(
-                    name, plan.plan[path][name], rows, cols, world_size, device_type
+                    name,
+                    plan.plan[path][name],
+                    rows,
+                    cols,
+                    world_size,
+                    device_type,
+                    rank,
+                    device_index,
                 )
             except ReshardError as e:
                 raise ReshardError(f"module '{path}': {e}") from None

@@ -40,7 +40,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 
 import torch
 from torchrec.distributed.resharding.fields import Field, FieldKind
-from torchrec.distributed.resharding.memory import release_buffer
+from torchrec.distributed.resharding.memory import pinned_staging, release_buffer
 from torchrec.distributed.resharding.plan import RankPlan, Rect, Transfer
 from torchrec.distributed.resharding.wire import ExchangeGroup, Message
 
@@ -359,7 +359,7 @@ class _Wire:
         span = _flat_span(sources, message.dtype, self._device)
         if span is not None:
             return span, False
-        buffer = torch.empty(message.numel, dtype=message.dtype, device=self._device)
+        buffer = self._buffer(message, sources)
         offset = 0
         for source in sources:
             n = source.numel()
@@ -381,8 +381,20 @@ class _Wire:
             )
             if span is not None:
                 return _Receive(message, span, buffered=False)
-        buffer = torch.empty(message.numel, dtype=message.dtype, device=self._device)
-        return _Receive(message, buffer, buffered=True)
+        staged = [x for x in targets if x is not None]
+        return _Receive(message, self._buffer(message, staged), buffered=True)
+
+    def _buffer(
+        self, message: WireMessage, data: Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """A message's buffer on the wire's device (pinned host memory where
+        it stages CUDA tensors)."""
+        return torch.empty(
+            message.numel,
+            dtype=message.dtype,
+            device=self._device,
+            pin_memory=pinned_staging(self._device, [t.device for t in data]),
+        )
 
     def _commit(self, receive: _Receive) -> None:
         offset = 0

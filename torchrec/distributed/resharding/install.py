@@ -44,6 +44,7 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     validate_parameter_sharding,
 )
+from torchrec.distributed.resharding.wire import normalized_device
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -217,7 +218,8 @@ class ShardedModuleAdapter(abc.ABC):
                 "then reshard"
             )
         world_size = dist.get_world_size(env.process_group)
-        device_type = (device or self.device() or torch.device("cpu")).type
+        here = normalized_device(device or self.device() or torch.device("cpu"))
+        rank = dist.get_rank(env.process_group)
         plan = self.plan()
         layouts: Dict[str, TableLayout] = {}
         for table, ps in changed_sharding_params.items():
@@ -239,7 +241,7 @@ class ShardedModuleAdapter(abc.ABC):
                 )
             rows, cols = self.table_shape(table)
             layouts[table] = validate_parameter_sharding(
-                table, ps, rows, cols, world_size, device_type
+                table, ps, rows, cols, world_size, here.type, rank, here.index
             )
         return layouts
 

@@ -88,6 +88,9 @@ def local_slots(lookups: Sequence[nn.Module]) -> Dict[SlotKey, LocalSlot]:
     for lookup in lookups:
         for batched in batched_kernels(lookup):
             tables = batched.config.embedding_tables
+            # A cached kernel holds the newest values of its hot rows in its
+            # cache: write them back before the weights are read.
+            batched.flush()
             weights = batched.split_embedding_weights()
             states: List[Mapping[str, torch.Tensor]] = [{} for _ in tables]
             if is_fused(batched):
@@ -97,7 +100,9 @@ def local_slots(lookups: Sequence[nn.Module]) -> Dict[SlotKey, LocalSlot]:
             layout = optimizer_state_layout(batched) if is_fused(batched) else {}
             for table, weight, state in zip(tables, weights, states):
                 rect = shard_rect(table)
-                tensors: Dict[str, torch.Tensor] = {WEIGHT: weight.detach()}
+                tensors: Dict[str, torch.Tensor] = {
+                    WEIGHT: shard_weight(weight, rect, table.name)
+                }
                 kinds: Dict[str, FieldKind] = {WEIGHT: FieldKind.RECT}
                 for key, value in state.items():
                     kind = _state_kind(batched, layout, key)
@@ -105,6 +110,55 @@ def local_slots(lookups: Sequence[nn.Module]) -> Dict[SlotKey, LocalSlot]:
                     kinds[key] = kind
                 slots[(table.name, rect)] = LocalSlot(table.name, rect, tensors, kinds)
     return slots
+
+
+def shard_weight(weight: Any, rect: Rect, table: str) -> torch.Tensor:
+    """
+    A kernel's weight of one shard, checked against the shard's rectangle.
+
+    Args:
+        weight (Any): what the kernel's ``split_embedding_weights`` gave.
+        rect (Rect): the shard.
+        table (str): the table (for messages).
+
+    Returns:
+        torch.Tensor: the weight, detached.
+
+    Raises:
+        ReshardError: when the weight is not a ``rows x cols`` tensor (INT8
+            rows carry a scale and a bias after their columns; a key-value
+            kernel gives no tensor): its bytes cannot be moved column by
+            column.
+    """
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (
+        rect.rows,
+        rect.cols,
+    ):
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        raise ReshardError(
+            f"table '{table}': the kernel's weight of its {rect.rows}x{rect.cols} "
+            f"shard is {shape if shape is not None else type(weight).__name__} "
+            f"({getattr(weight, 'dtype', '')}), not the shard's rectangle (INT8 "
+            "rows carry their scale and bias; key-value kernels hold rows "
+            "elsewhere): it cannot be resharded"
+        )
+    return weight.detach()
+
+
+def invalidate_caches(lookups: Sequence[nn.Module]) -> None:
+    """
+    Empties the caches of the batched kernels of ``lookups`` (new kernels
+    whose weights were just written): their next lookup reads the weights.
+
+    Args:
+        lookups (Sequence[nn.Module]): lookups of a sharded module.
+
+    Returns:
+        None
+    """
+    for lookup in lookups:
+        for batched in batched_kernels(lookup):
+            batched.purge()
 
 
 # How each state of fbgemm's fused optimizers follows a table's rectangles, by

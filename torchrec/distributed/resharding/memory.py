@@ -67,7 +67,8 @@ def _gaps(length: int, live: Sequence[Tuple[int, int]]) -> List[Tuple[int, int]]
 def release_buffer(tensor: torch.Tensor) -> None:
     """
     Gives the pages of a CPU buffer the caller owns alone (e.g. an exchange
-    buffer it is about to drop) back to the OS.
+    buffer it is about to drop) back to the OS; pinned buffers stay as they
+    are (CUDA's host allocator owns their pages).
 
     Args:
         tensor (torch.Tensor): the buffer; nothing may read it afterwards.
@@ -75,8 +76,28 @@ def release_buffer(tensor: torch.Tensor) -> None:
     Returns:
         None
     """
-    if tensor.device.type == "cpu" and tensor.numel() > 0:
+    if tensor.device.type == "cpu" and tensor.numel() > 0 and not tensor.is_pinned():
         release_pages(tensor.untyped_storage(), [])
+
+
+def pinned_staging(
+    buffer_device: torch.device, data_devices: Sequence[torch.device]
+) -> bool:
+    """
+    Whether a buffer on ``buffer_device`` that stages data on
+    ``data_devices`` is pinned: a host buffer for CUDA tensors (where the wire
+    needs host memory, e.g. gloo) is page-locked, so that the copies to and
+    from the GPU run at full speed.
+
+    Args:
+        buffer_device (torch.device): where the buffer lives.
+        data_devices (Sequence[torch.device]): where the tensors copied into
+            or out of it live.
+
+    Returns:
+        bool: pin the buffer.
+    """
+    return buffer_device.type == "cpu" and any(d.type == "cuda" for d in data_devices)
 
 
 def release_pages(

@@ -186,6 +186,15 @@ def dense_tensors(
     return dict(sorted(out.items()))
 
 
+def sharded_lookups(root: nn.Module) -> List[nn.Module]:
+    """The lookups of every sharded module of ``root``, in module order."""
+    return [
+        lookup
+        for module in sharded_modules(root).values()
+        for lookup in adapter_for(module).lookups()
+    ]
+
+
 def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
     """This rank's shards of every sharded module, keyed by "path:table"."""
     out: Dict[SlotKey, LocalSlot] = {}
@@ -254,7 +263,7 @@ def broadcast_dense(
     """
     The dense tensors, from ``source`` on the group's rank ``src`` into
     ``target`` (ranks of the new group; None elsewhere): one broadcast per
-    dtype of a buffer that packs them.
+    dtype of a buffer (on the group's device) that packs them.
 
     Returns:
         int: bytes broadcast.
@@ -265,10 +274,10 @@ def broadcast_dense(
         sizes = [s.nbytes // dtype.itemsize for s in members]
         if source is not None:
             buffer = torch.cat(
-                [source[s.name].detach().reshape(-1).to("cpu") for s in members]
+                [source[s.name].detach().reshape(-1).to(group.device) for s in members]
             )
         else:
-            buffer = torch.empty(sum(sizes), dtype=dtype)
+            buffer = torch.empty(sum(sizes), dtype=dtype, device=group.device)
         group.broadcast(buffer, src)
         total += buffer.numel() * buffer.element_size()
         if target is not None:

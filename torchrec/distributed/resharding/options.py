@@ -13,9 +13,12 @@ model, a move between groups), and the storage mode of rebuilt kernels.
 """
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import Optional, TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torchrec.distributed.resharding.wire import ExchangeGroups
 
 
 class StorageMode(enum.Enum):
@@ -51,12 +54,17 @@ class ReshardOptions:
             transaction's first rank.
         storage (StorageMode): whether table shards that stay put keep their
             storage (``REUSE``, the default) or are copied (``COPY``).
+        exchange_groups (Optional[ExchangeGroups]): where this rank keeps the
+            exchange groups it connected, for the next transactions of the
+            same ranks (one object for the job's life: NCCL then connects
+            each set of ranks once); None: a group per transaction.
     """
 
     max_inflight_bytes: Optional[int] = None
     exchange_timeout: Optional[timedelta] = None
     progress: bool = False
     storage: StorageMode = StorageMode.REUSE
+    exchange_groups: Optional["ExchangeGroups"] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:

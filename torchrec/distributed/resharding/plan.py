@@ -85,9 +85,15 @@ KERNEL_OPTIONS: Tuple[str, ...] = (
     "key_value_params",
 )
 
+# The kernels upstream reshards: weights in HBM (FUSED), in unified memory
+# (FUSED_UVM) and in unified memory behind an HBM cache (FUSED_UVM_CACHING,
+# flushed before any read; on CPU all three hold their weights on the host).
+# Key-value and SSD kernels keep rows outside the kernel: they cannot move.
 MOVABLE_COMPUTE_KERNELS: Tuple[str, ...] = (
     EmbeddingComputeKernel.DENSE.value,
     EmbeddingComputeKernel.FUSED.value,
+    EmbeddingComputeKernel.FUSED_UVM.value,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
 )
 
 
@@ -1018,6 +1024,8 @@ def validate_parameter_sharding(
     cols: int,
     world_size: int,
     device_type: str,
+    group_rank: Optional[int] = None,
+    device_index: Optional[int] = None,
 ) -> TableLayout:
     """
     Checks that a new ParameterSharding can be moved to, and reads its layout.
@@ -1029,6 +1037,10 @@ def validate_parameter_sharding(
         cols (int): columns of the table.
         world_size (int): size of the process group.
         device_type (str): device type of the module ("cpu", "cuda", ...).
+        group_rank (Optional[int]): this rank in the group: its shards must
+            be placed on its own device index (``device_index``), which
+            TorchRec checks when it builds them.
+        device_index (Optional[int]): the index of this rank's device.
 
     Returns:
         TableLayout: the new layout.
@@ -1071,6 +1083,15 @@ def validate_parameter_sharding(
                 raise ReshardError(
                     f"table '{table}': shard placement {placement} is not on the "
                     f"module's device type '{device_type}'"
+                )
+            if (
+                rank == group_rank
+                and device_index is not None
+                and placement.device().index != device_index
+            ):
+                raise ReshardError(
+                    f"table '{table}': shard placement {placement} is not on "
+                    f"rank {rank}'s device {device_type}:{device_index}"
                 )
         _check_tiling(table, spec, rows, cols)
     if parameter_sharding.ranks is not None and any(

@@ -27,10 +27,14 @@ runner takes every participant through the same phases, each under
    new layout of every table in the transaction's rank numbering, and the
    fields that travel with it (:meth:`Participant.agreed`). A dry run stops
    here and counts the bytes every rank would send and receive;
-2. **build**: the participant builds what the new layout needs, detached from
-   what runs now (:meth:`Participant.build`); the ranks agree again that every
-   rank built;
-3. **exchange**: on a process group made for the transaction, the runner plans
+2. **build**: on a GPU each rank first checks that the bytes the transaction
+   may add fit its free device memory (``device_memory``); the participant
+   builds what the new layout needs, detached from what runs now
+   (:meth:`Participant.build`); the ranks agree again that every rank built;
+3. **exchange**: on the transaction's exchange group (``wire``: connected for
+   it, or kept from an earlier transaction of the same ranks when every rank
+   kept it, which the build's agreement decides), once this rank's device
+   finished the work queued on it, the runner plans
    this rank's part (``plan.plan_rank_transfers``) and the one executor
    (``exchange.execute_transfers``) fills the participant's new slots from its
    old ones (:meth:`Participant.slots`, read and written by ``slots.slot_io``);
@@ -41,8 +45,9 @@ runner takes every participant through the same phases, each under
    (:meth:`Participant.commit`), which does nothing that can fail.
 
 A failure anywhere before the commit calls :meth:`Participant.abort` (the one
-abort path) and leaves what runs exactly as it was. Every kind of transaction
-returns one :class:`TransactionReport`.
+abort path) and leaves what runs exactly as it was; a failure in the exchange
+aborts the exchange group too (never a shutdown that waits for a dead peer).
+Every kind of transaction returns one :class:`TransactionReport`.
 """
 
 import abc
@@ -67,6 +72,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
+from torchrec.distributed.resharding.device_memory import (
+    check_fits,
+    estimate_peak,
+    free_device_bytes,
+    MemoryWatch,
+    NCCL_COMMUNICATOR_BYTES,
+)
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
@@ -79,7 +91,13 @@ from torchrec.distributed.resharding.plan import (
     text_digest,
 )
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
-from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
+from torchrec.distributed.resharding.wire import (
+    ExchangeGroup,
+    ExchangeGroups,
+    normalized_device,
+    same_kept_group,
+    synchronize_device,
+)
 from torchrec.distributed.types import ParameterSharding
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -192,6 +210,17 @@ class TransactionReport(ExchangeStats):
         deltas (Optional[Dict[str, Dict[str, ParameterSharding]]]): the facts
             of a reshard: module path -> its changed tables and their new
             sharding (None for the other kinds).
+        connect_seconds (float): of the exchange phase, the time this rank
+            took to connect the exchange group (0 when a kept one was reused).
+        exchange_group (str): the name of the exchange group used (the
+            transaction that connected it).
+        estimated_peak_bytes (int): the bound of the bytes the transaction
+            could add on this rank's device (``device_memory``; checked
+            against the free memory on CUDA).
+        peak_memory_bytes (int): the peak this rank reached (``memory_kind``).
+        memory_kind (str): what ``peak_memory_bytes`` counts:
+            "cuda_allocated" (device bytes allocated through PyTorch) or
+            "host_rss" (the process's resident set).
     """
 
     kind: str = ""
@@ -207,6 +236,11 @@ class TransactionReport(ExchangeStats):
     bytes_sent_by_rank: Dict[int, int] = field(default_factory=dict)
     bytes_received_by_rank: Dict[int, int] = field(default_factory=dict)
     deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
+    connect_seconds: float = 0.0
+    exchange_group: str = ""
+    estimated_peak_bytes: int = 0
+    peak_memory_bytes: int = 0
+    memory_kind: str = ""
 
     @property
     def seconds(self) -> float:
@@ -292,7 +326,7 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
         return None
 
     def device(self) -> torch.device:
-        """Where the exchange buffers live."""
+        """Where the exchange buffers live (the same type on every rank)."""
         return torch.device("cpu")
 
     def unchanged(self) -> str:
@@ -400,26 +434,74 @@ def run_transaction(
         _count_dry_run(report, layouts, ranks)
         return _finish(report, clock)
 
+    device = normalized_device(participant.device())
+    groups = options.exchange_groups or ExchangeGroups()
+    watch = MemoryWatch(device)
     with clock.phase("build"):
         error = None
         try:
+            report.estimated_peak_bytes = _check_device_memory(
+                participant, layouts, ranks, device, options, groups
+            )
             participant.build()
         except Exception as e:
             error = _local_error(e, "building the new sharding")
+        watch.sample()
         try:
-            built = agree_among_ranks(ranks, digest, error, None, timeout)
+            # whether every rank kept the same exchange group for these ranks
+            built = agree_among_ranks(
+                ranks,
+                digest,
+                error,
+                groups.kept_name(ranks, device),
+                timeout,
+                merge=same_kept_group,
+            )
         except BaseException:
             participant.abort()
             raise
 
     with clock.phase("exchange"):
-        stats, kept = _exchange(
-            participant, layouts, ranks, built.transaction, timeout, options
-        )
+        exchange = _Exchange(participant, ranks, device, timeout, options)
+        stats, kept = exchange.run(layouts, groups, built.transaction, built.merged)
     _count_exchange(report, stats, kept)
+    report.connect_seconds = exchange.connect_seconds
+    report.exchange_group = exchange.group_name
+    watch.sample()
+    report.peak_memory_bytes, report.memory_kind = watch.peak(), watch.kind
     with clock.phase("commit"):
         report.bytes_released = participant.commit()
+    if options.exchange_groups is None:
+        groups.close()  # made for this transaction alone
     return _finish(report, clock)
+
+
+def _check_device_memory(
+    participant: Participant[Any, Any],
+    layouts: TransactionLayouts,
+    ranks: Sequence[int],
+    device: torch.device,
+    options: ReshardOptions,
+    groups: ExchangeGroups,
+) -> int:
+    """
+    The bound of the device bytes the transaction adds on this rank; on CUDA
+    refuses (``ReshardError``) when it does not fit the free memory.
+    """
+    connects = device.type == "cuda" and not groups.kept_name(ranks, device)
+    estimate = estimate_peak(
+        layouts.old,
+        layouts.new,
+        layouts.fields,
+        list(ranks).index(dist.get_rank()),
+        options.max_inflight_bytes,
+        layouts.dense_bytes,
+        NCCL_COMMUNICATOR_BYTES if connects else 0,
+    )
+    free = free_device_bytes(device)
+    if free is not None:
+        check_fits(estimate, free, device, participant.kind)
+    return estimate.total
 
 
 def _by_module(keys: Sequence[str]) -> Dict[str, List[str]]:
@@ -477,7 +559,8 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
     logger.info(
         "%s%s rank %d (%s): moved %s, rebuilt %d tables, sent %d B, received %d B "
         "(%d B in place), copied locally %d B, kept in place %d B, released %d B, "
-        "dense %d B in %.3f s (agree %.3f, build %.3f, exchange %.3f, commit %.3f)",
+        "dense %d B, peak %d B (%s) in %.3f s (agree %.3f, build %.3f, "
+        "exchange %.3f, commit %.3f)",
         report.kind,
         " dry run" if report.dry_run else "",
         report.rank,
@@ -491,6 +574,8 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
         report.bytes_kept_in_place,
         report.bytes_released,
         report.dense_bytes,
+        report.peak_memory_bytes,
+        report.memory_kind or "-",
         report.seconds,
         report.phases.agree,
         report.phases.build,
@@ -500,49 +585,91 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
     return report
 
 
-def _exchange(
-    participant: Participant[Any, Any],
-    layouts: TransactionLayouts,
-    ranks: Sequence[int],
-    transaction: str,
-    timeout: timedelta,
-    options: ReshardOptions,
-) -> Tuple[ExchangeStats, List[SlotKey]]:
-    me = dist.get_rank()
-    try:
-        group = open_exchange_group(ranks, transaction, timeout, participant.device())
-    except Exception as e:
-        participant.abort()
-        if isinstance(e, ReshardAbortedError):
-            raise
-        raise ReshardAbortedError(
-            f"rank {me}: could not connect the ranks of the {participant.kind} "
-            f"({type(e).__name__}: {e}); {participant.unchanged()}"
-        ) from e
-    try:
-        participant.before_exchange(group)
-        plan = plan_rank_transfers(layouts.old, layouts.new, ranks.index(me))
-        io = slot_io(*participant.slots(), layouts.fields)
-        stats = execute_transfers(
-            plan,
-            layouts.fields,
-            io,
-            group,
-            options.max_inflight_bytes,
-            participant.device(),
-            _progress_bar(options.progress and ranks[0] == me),
-        )
-        kept = list(io.in_place)
-        del io  # nothing of the transaction holds the old slots at the commit
-        participant.after_exchange(group)
-        # Nobody commits before everybody filled its new state.
-        group.barrier()
-    except Exception as e:
-        group.close()
-        participant.abort()
-        raise ReshardAbortedError(
-            f"rank {me}: the {participant.kind} failed in the exchange "
-            f"({type(e).__name__}: {e}); {participant.unchanged()}"
-        ) from e
-    group.close()
-    return stats, kept
+class _Exchange:
+    """The exchange phase of one transaction on this rank."""
+
+    def __init__(
+        self,
+        participant: Participant[Any, Any],
+        ranks: Sequence[int],
+        device: torch.device,
+        timeout: timedelta,
+        options: ReshardOptions,
+    ) -> None:
+        self._participant = participant
+        self._ranks = ranks
+        self._device = device
+        self._timeout = timeout
+        self._options = options
+        self.connect_seconds = 0.0
+        self.group_name = ""
+
+    def _open(
+        self, groups: ExchangeGroups, transaction: str, reuse: str
+    ) -> ExchangeGroup:
+        participant = self._participant
+        start = time.perf_counter()
+        try:
+            group = groups.open(
+                self._ranks, transaction, self._timeout, self._device, reuse
+            )
+        except Exception as e:
+            participant.abort()
+            if isinstance(e, ReshardAbortedError):
+                raise
+            raise ReshardAbortedError(
+                f"rank {dist.get_rank()}: could not connect the ranks of the "
+                f"{participant.kind} ({type(e).__name__}: {e}); "
+                f"{participant.unchanged()}"
+            ) from e
+        if group.name == transaction:
+            self.connect_seconds = time.perf_counter() - start
+        self.group_name = group.name
+        return group
+
+    def run(
+        self,
+        layouts: TransactionLayouts,
+        groups: ExchangeGroups,
+        transaction: str,
+        reuse: str,
+    ) -> Tuple[ExchangeStats, List[SlotKey]]:
+        """
+        Fills the participant's new state on the exchange group; aborts the
+        group and the participant on any failure.
+        """
+        participant, me = self._participant, dist.get_rank()
+        # The device finished what was queued on it (a pipeline's collectives,
+        # an optimizer step on another stream) before the exchange reads or
+        # writes the kernels' memory.
+        synchronize_device(self._device)
+        group = self._open(groups, transaction, reuse)
+        try:
+            participant.before_exchange(group)
+            plan = plan_rank_transfers(
+                layouts.old, layouts.new, list(self._ranks).index(me)
+            )
+            io = slot_io(*participant.slots(), layouts.fields)
+            stats = execute_transfers(
+                plan,
+                layouts.fields,
+                io,
+                group,
+                self._options.max_inflight_bytes,
+                self._device,
+                _progress_bar(self._options.progress and self._ranks[0] == me),
+            )
+            kept = list(io.in_place)
+            del io  # nothing of the transaction holds the old slots at the commit
+            participant.after_exchange(group)
+            # Nobody commits before everybody filled its new state.
+            group.barrier()
+            synchronize_device(self._device)
+        except Exception as e:
+            groups.discard(group)
+            participant.abort()
+            raise ReshardAbortedError(
+                f"rank {me}: the {participant.kind} failed in the exchange "
+                f"({type(e).__name__}: {e}); {participant.unchanged()}"
+            ) from e
+        return stats, kept

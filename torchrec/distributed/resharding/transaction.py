@@ -68,7 +68,10 @@ from torchrec.distributed.resharding.kept_grouping import (
     run_facts,
     user_batch_key,
 )
-from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.kernel_state import (
+    batched_kernels,
+    invalidate_caches,
+)
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
@@ -94,7 +97,7 @@ from torchrec.distributed.resharding.storage import (
     KeptStorage,
     storage_reuse_supported,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 @dataclass
@@ -214,7 +217,9 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
     ) -> None:
         self._requests = list(requests)
         self._env = env
-        self._device = device
+        self._device: Optional[torch.device] = (
+            normalized_device(device) if device is not None else None
+        )
         self._options = options
         self._modules: List[_ModuleReshard] = []
         self._decision: Optional[_Decision] = None
@@ -354,6 +359,11 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
                 keyed_slots(m.adapter.local_slots(m.groups.new_lookups), key)
             )
         return old_slots, new_slots
+
+    def after_exchange(self, group: ExchangeGroup) -> None:
+        for m in self._built():
+            assert m.groups is not None
+            invalidate_caches(m.groups.new_lookups)
 
     # ------------------------------------------------------ commit and abort
 

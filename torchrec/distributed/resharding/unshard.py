@@ -27,6 +27,7 @@ from torch import nn
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_move_agreement,
+    check_movable_kernels,
     dense_specs,
     DenseSpec,
     MoveFacts,
@@ -37,6 +38,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     whole_on,
 )
 from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
+from torchrec.distributed.resharding.kernel_state import invalidate_caches
 from torchrec.distributed.resharding.model_view import (
     broadcast_dense,
     build_model,
@@ -50,6 +52,7 @@ from torchrec.distributed.resharding.model_view import (
     plain_weight,
     plain_weight_dtypes,
     release_model,
+    sharded_lookups,
     sharded_modules,
     sharded_slots,
 )
@@ -65,7 +68,7 @@ from torchrec.distributed.resharding.runner import (
 )
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 # module path -> table -> fused optimizer state key -> the whole table's state
@@ -150,6 +153,7 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
             raise ReshardError(
                 f"rank {self._dst} is outside the model's group of {len(self._ranks)}"
             )
+        check_movable_kernels(self._model.plan)
         facts = model_facts(self._model)
         facts.new_group = facts.old_group
         if facts.old_ranks is not None:
@@ -192,6 +196,9 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
     def abort(self) -> None:
         self._modules = {}
         self._state = {}
+
+    def device(self) -> torch.device:
+        return normalized_device(self._model.device)
 
     def unchanged(self) -> str:
         return "the model is unchanged"
@@ -275,7 +282,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         self._env = env
         self._src = src
         self._sharders = sharders
-        self._device = device
+        self._device: torch.device = normalized_device(device)
         self._ranks: List[int] = dist.get_process_group_ranks(env.process_group)
         self._me: int = dist.get_rank()
         self._index: int = self._ranks.index(self._me)
@@ -290,7 +297,12 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         return self._ranks
 
     def request(self) -> List[str]:
-        return [described(sharding_plan_text, self._plan), str(self._src)]
+        # every rank exchanges on a device of the same type
+        return [
+            described(sharding_plan_text, self._plan),
+            str(self._src),
+            self._device.type,
+        ]
 
     def prepare(self) -> _SourceFacts:
         if not isinstance(self._src, int) or not 0 <= self._src < len(self._ranks):
@@ -298,7 +310,14 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
                 f"rank {self._src} is outside the group of {len(self._ranks)}"
             )
         defined = defined_tables(self._module, self._plan)
-        validate_new_plan(self._plan, defined, len(self._ranks), self._device.type)
+        validate_new_plan(
+            self._plan,
+            defined,
+            len(self._ranks),
+            self._device.type,
+            self._index,
+            self._device.index,
+        )
         if self._index != self._src:
             return _SourceFacts(tables_digest(defined), repr(defined))
         dense = dense_specs(_plain_dense(self._module, self._plan))
@@ -356,6 +375,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
     def after_exchange(self, group: ExchangeGroup) -> None:
         agreed, model = self._agreed, self._new_model
         assert agreed is not None and model is not None
+        invalidate_caches(sharded_lookups(model.module))
         broadcast_dense(
             agreed.dense,
             self._source_dense,
@@ -377,7 +397,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
         self._source_dense = None
 
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     def unchanged(self) -> str:
         return "nothing was sharded"

@@ -26,8 +26,26 @@ over the same ranks).
 (:meth:`ExchangeGroup.over`), through its own methods, with ranks numbered in
 the group: the point-to-point messages of the exchange and the few
 collectives around it, every wait bounded by the group's timeout.
+
+On NCCL (see ``docs/gpu.md``):
+
+* a group is connected once, eagerly, bound to this rank's device
+  (``eager_connect_single_device``); :class:`ExchangeGroups` keeps it for
+  later transactions of the same members (the members agree that each of them
+  kept it, else they connect a new one), and replaces it only after a failure;
+* each round's sends and receives are one coalesced group call (the backend's
+  coalescing, as ``dist.batch_isend_irecv`` uses it): NCCL runs them on the
+  group's one communicator, never on a communicator per pair of ranks;
+* a failure aborts the group (:meth:`ExchangeGroup.abort`): NCCL's
+  ``abort()`` ends its kernels at once, where ``shutdown()`` would wait for
+  kernels that a dead peer never completes. A success shuts a group down
+  (:meth:`ExchangeGroup.close`) or keeps it. Every wait is bounded by the
+  exchange timeout, and the backend's own (watchdog) timeout is
+  :data:`WATCHDOG_FACTOR` times longer: a stalled exchange raises in the
+  caller, which aborts the group, before NCCL's watchdog would act on it.
 """
 
+import dataclasses
 import io
 import logging
 import pickle
@@ -44,6 +62,10 @@ logger: logging.Logger = logging.getLogger(__name__)
 
 # the job's store keys of exchange groups: f"{STORE_PREFIX}/{transaction}/"
 STORE_PREFIX = "torchrec_reshard_exchange"
+
+# An NCCL group's own timeout (its watchdog's) is this many times the exchange
+# timeout that bounds every wait: the caller sees a stall first and aborts.
+WATCHDOG_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -77,9 +99,13 @@ class ExchangeGroup:
         size (int): the group's size.
         timeout (timedelta): bound of every wait on the group.
         device (torch.device): where the group's collectives' tensors live.
-        owned (bool): whether the group was made for one transaction (then
-            :meth:`close` shuts it down).
-        name (str): the transaction's name, or the process group's.
+        owned (bool): whether the group was made for transactions (then
+            :meth:`close` shuts it down and :meth:`abort` aborts it).
+        name (str): the name of the transaction that connected it, or the
+            process group's.
+        coalesced (bool): whether a round's messages are posted as one
+            coalesced call of the backend (NCCL: one communicator for every
+            pair) rather than one by one (gloo).
     """
 
     backend: Any
@@ -89,6 +115,7 @@ class ExchangeGroup:
     device: torch.device
     owned: bool = False
     name: str = ""
+    coalesced: bool = False
 
     @staticmethod
     def over(
@@ -107,15 +134,18 @@ class ExchangeGroup:
                 live (default: CPU).
 
         Returns:
-            ExchangeGroup: the group; closing it leaves ``group`` alone.
+            ExchangeGroup: the group; closing or aborting it leaves ``group``
+            alone. On CUDA its rounds are coalesced (NCCL).
         """
+        device = normalized_device(device or torch.device("cpu"))
         return ExchangeGroup(
             backend=group,
             rank=dist.get_rank(group),
             size=dist.get_world_size(group),
             timeout=timeout or default_timeout(),
-            device=device or torch.device("cpu"),
+            device=device,
             name=group.group_name,
+            coalesced=device.type == "cuda",
         )
 
     # ------------------------------------------------------------- messages
@@ -125,7 +155,8 @@ class ExchangeGroup:
         Posts messages and returns their works. Per peer, the lower rank of the
         pair posts its sends first and the higher one its receives first, in
         the order given: a pair's two streams of messages meet in the same
-        order on both sides, whatever the backend.
+        order on both sides, whatever the backend. A coalesced group posts
+        them as one call of the backend, which returns one work.
 
         Args:
             messages (Sequence[Message]): this rank's messages of one round.
@@ -133,20 +164,20 @@ class ExchangeGroup:
         Returns:
             List[Any]: their works (wait with :meth:`wait`).
         """
-        by_peer: Dict[int, Tuple[List[Message], List[Message]]] = {}
-        for m in messages:
-            sends, recvs = by_peer.setdefault(m.peer, ([], []))
-            (sends if m.send else recvs).append(m)
-        works = []
-        for peer in sorted(by_peer):
-            sends, recvs = by_peer[peer]
-            ordered = sends + recvs if self.rank < peer else recvs + sends
-            for m in ordered:
-                if m.send:
-                    works.append(self.backend.send([m.tensor], m.peer, m.tag))
-                else:
-                    works.append(self.backend.recv([m.tensor], m.peer, m.tag))
-        return works
+        ordered = _pair_order(messages, self.rank)
+        if not self.coalesced:
+            return [self._p2p(m) for m in ordered]
+        if not ordered:
+            return []
+        self.backend._start_coalescing(self.device)
+        for m in ordered:
+            self._p2p(m)
+        return [self.backend._end_coalescing(self.device)]
+
+    def _p2p(self, m: Message) -> Any:
+        if m.send:
+            return self.backend.send([m.tensor], m.peer, m.tag)
+        return self.backend.recv([m.tensor], m.peer, m.tag)
 
     def wait(self, works: Sequence[Any]) -> None:
         """
@@ -231,9 +262,9 @@ class ExchangeGroup:
 
     def close(self) -> None:
         """
-        Shuts down a group made for one transaction (after a failed exchange
-        this also fails the works peers still wait on, instead of letting them
-        wait); leaves a group from :meth:`over` alone.
+        Shuts down a group made for transactions once they succeeded (NCCL
+        finishes its queued work first); leaves a group from :meth:`over`
+        alone.
 
         Returns:
             None
@@ -242,20 +273,78 @@ class ExchangeGroup:
             return
         try:
             self.backend.shutdown()
-        except Exception:  # a group broken by the failure it reports
+        except Exception:  # already broken: nothing is left to finish
             logger.debug("shutting the exchange group down failed", exc_info=True)
+
+    def abort(self) -> None:
+        """
+        Aborts a group made for transactions after a failure: its pending
+        works end at once, here and on the peers that still wait on them
+        (NCCL's ``abort()`` ends its kernels, where ``shutdown()`` would wait
+        for kernels a dead peer never completes). Leaves a group from
+        :meth:`over` (a group training uses) alone: its failed works raised.
+
+        Returns:
+            None
+        """
+        if not self.owned:
+            return
+        try:
+            self.backend.abort()
+        except Exception:  # a group broken by the failure it reports
+            logger.debug("aborting the exchange group failed", exc_info=True)
+
+    def with_timeout(self, timeout: timedelta) -> "ExchangeGroup":
+        """The same connected group, every wait bounded by ``timeout``."""
+        if timeout == self.timeout:
+            return self
+        if self.owned:
+            self.backend.set_timeout(_backend_timeout(timeout, self.device))
+        return dataclasses.replace(self, timeout=timeout)
+
+
+def _pair_order(messages: Sequence[Message], rank: int) -> List[Message]:
+    """Per peer in ascending order: the lower rank's sends first, in order."""
+    by_peer: Dict[int, Tuple[List[Message], List[Message]]] = {}
+    for m in messages:
+        sends, recvs = by_peer.setdefault(m.peer, ([], []))
+        (sends if m.send else recvs).append(m)
+    ordered: List[Message] = []
+    for peer in sorted(by_peer):
+        sends, recvs = by_peer[peer]
+        ordered += sends + recvs if rank < peer else recvs + sends
+    return ordered
+
+
+def _backend_timeout(timeout: timedelta, device: torch.device) -> timedelta:
+    """The backend's own timeout: NCCL's watchdog acts after the caller."""
+    return timeout * WATCHDOG_FACTOR if device.type == "cuda" else timeout
 
 
 def _connect(
-    store: dist.Store, rank: int, size: int, timeout: timedelta, device: torch.device
+    store: dist.Store,
+    global_ranks: Sequence[int],
+    rank: int,
+    timeout: timedelta,
+    device: torch.device,
+    name: str,
 ) -> Any:
-    """A backend of ``size`` ranks on ``store`` for tensors on ``device``."""
+    """
+    A backend of the ranks on ``store`` for tensors on ``device``: gloo on
+    CPU; on CUDA an NCCL group connected at once (its communicator over every
+    member, on this rank's device) whose errors raise in the caller first.
+    """
+    size = len(global_ranks)
     if device.type == "cpu":
         return dist.ProcessGroupGloo(store, rank, size, timeout)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, options)
+        options.global_ranks_in_group = list(global_ranks)
+        options.group_name = name
+        backend = dist.ProcessGroupNCCL(store, rank, size, options)
+        backend.set_timeout(_backend_timeout(timeout, device))
+        backend.eager_connect_single_device(device)
+        return backend
     raise ValueError(f"live resharding cannot exchange {device.type} tensors")
 
 
@@ -286,19 +375,196 @@ def open_exchange_group(
         ReshardAbortedError: when a peer does not connect within the timeout.
     """
     timeout = timeout or default_timeout()
-    device = device or torch.device("cpu")
+    device = normalized_device(device or torch.device("cpu"))
     ranks = list(global_ranks)
     rank = ranks.index(dist.get_rank())
     store = dist.PrefixStore(f"{STORE_PREFIX}/{transaction}/", job_store())
     try:
-        backend = _connect(store, rank, len(ranks), timeout, device)
+        backend = _connect(store, ranks, rank, timeout, device, transaction)
     except Exception as e:
         raise ReshardAbortedError(
             f"could not connect the ranks for the shard exchange ({type(e).__name__}:"
             f" {e}); nothing moved and the model is unchanged"
         ) from e
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
     return ExchangeGroup(
-        backend, rank, len(ranks), timeout, device, owned=True, name=transaction
+        backend,
+        rank,
+        len(ranks),
+        timeout,
+        device,
+        owned=True,
+        name=transaction,
+        coalesced=bool(backend.supports_coalescing),
     )
+
+
+GroupKey = Tuple[Tuple[int, ...], str]
+
+
+class ExchangeGroups:
+    """
+    The exchange groups one rank keeps connected between transactions: one
+    per set of members (in their order) and device type. Give the same object
+    to every transaction (``ReshardOptions.exchange_groups``; a ``Rebalancer``
+    keeps one) and NCCL connects each set of members once rather than per
+    reshard. A group that took part in a failure is aborted and forgotten;
+    the next transaction of its members connects a new one.
+
+    Members agree before using a kept group: each states the name of the one
+    it kept (:meth:`kept_name`); only when every member kept the same group
+    do they reuse it (:meth:`open`), else each drops its own and they connect
+    anew.
+    """
+
+    def __init__(self) -> None:
+        self._groups: Dict[GroupKey, ExchangeGroup] = {}
+        self.connected: int = 0
+
+    @staticmethod
+    def _key(global_ranks: Sequence[int], device: torch.device) -> GroupKey:
+        return (tuple(global_ranks), device.type)
+
+    def kept_name(self, global_ranks: Sequence[int], device: torch.device) -> str:
+        """
+        Args:
+            global_ranks (Sequence[int]): the members, in their order.
+            device (torch.device): where the exchanged tensors live.
+
+        Returns:
+            str: the name of the group kept for them ("" if none).
+        """
+        group = self._groups.get(self._key(global_ranks, device))
+        return group.name if group is not None else ""
+
+    def open(
+        self,
+        global_ranks: Sequence[int],
+        transaction: str,
+        timeout: timedelta,
+        device: torch.device,
+        reuse: str = "",
+    ) -> ExchangeGroup:
+        """
+        The members' group: the kept one when every member agreed to reuse it
+        (``reuse`` is its name), else a new one connected under
+        ``transaction`` (the one kept before, if any, is aborted: a peer no
+        longer has it).
+
+        Args:
+            global_ranks (Sequence[int]): the members, in their order.
+            transaction (str): the agreement's transaction name.
+            timeout (timedelta): bound of connecting and of every wait.
+            device (torch.device): where the exchanged tensors live.
+            reuse (str): the kept group's name every member stated, or "".
+
+        Returns:
+            ExchangeGroup: the group (keep it until :meth:`discard` or
+            :meth:`close`).
+
+        Raises:
+            ReshardAbortedError: when a peer does not connect in time.
+        """
+        key = self._key(global_ranks, device)
+        kept = self._groups.get(key)
+        if kept is not None and reuse and kept.name == reuse:
+            group = kept.with_timeout(timeout)
+            self._groups[key] = group
+            return group
+        if kept is not None:
+            self.discard(kept)
+        group = self.connect(global_ranks, transaction, timeout, device)
+        self.connected += 1
+        self._groups[key] = group
+        return group
+
+    def connect(
+        self,
+        global_ranks: Sequence[int],
+        transaction: str,
+        timeout: timedelta,
+        device: torch.device,
+    ) -> ExchangeGroup:
+        """
+        Connects a new group (:func:`open_exchange_group`); a subclass may
+        connect another way (e.g. a backend that records its calls).
+
+        Args:
+            global_ranks (Sequence[int]): the members, in their order.
+            transaction (str): the agreement's transaction name.
+            timeout (timedelta): bound of connecting and of every wait.
+            device (torch.device): where the exchanged tensors live.
+
+        Returns:
+            ExchangeGroup: the connected group.
+        """
+        return open_exchange_group(global_ranks, transaction, timeout, device)
+
+    def discard(self, group: ExchangeGroup) -> None:
+        """
+        Aborts a group after a failure and forgets it.
+
+        Args:
+            group (ExchangeGroup): a group :meth:`open` returned.
+
+        Returns:
+            None
+        """
+        for key, kept in list(self._groups.items()):
+            if kept.name == group.name:
+                del self._groups[key]
+        group.abort()
+
+    def close(self) -> None:
+        """Shuts down every kept group (e.g. when the job stops resharding)."""
+        groups, self._groups = list(self._groups.values()), {}
+        for group in groups:
+            group.close()
+
+
+def same_kept_group(names: Sequence[str]) -> str:
+    """
+    Run by the coordinator: the name of the group every member kept, or ""
+    when some member kept none or another one (then they connect anew).
+
+    Args:
+        names (Sequence[str]): each member's :meth:`ExchangeGroups.kept_name`.
+
+    Returns:
+        str: the group to reuse, or "".
+    """
+    first = names[0] if names else ""
+    return first if first and all(n == first for n in names) else ""
+
+
+def normalized_device(device: torch.device) -> torch.device:
+    """
+    A device as tensors report theirs: ``cuda`` without an index is the
+    current CUDA device (``torch.device("cuda") != torch.device("cuda:0")``,
+    which would make the exchange buffer every message).
+
+    Args:
+        device (torch.device): a device.
+
+    Returns:
+        torch.device: the same device, with its index on CUDA.
+    """
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def synchronize_device(device: torch.device) -> None:
+    """
+    Waits until a CUDA device finished the work queued on it on any stream (a
+    pipeline's collectives in flight, an optimizer step on a side stream): an
+    exchange group orders its streams after the current stream only. Nothing
+    to wait for on CPU.
+
+    Args:
+        device (torch.device): the exchange's device.
+
+    Returns:
+        None
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -46,7 +46,7 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     Transfer,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -157,6 +157,7 @@ def shards_all_to_all(
     """
     pg = env.process_group
     assert pg is not None
+    device = normalized_device(device)
     rank = dist.get_rank(pg)
     world_size = dist.get_world_size(pg)
     plan = _weight_plan(
@@ -274,7 +275,10 @@ def update_state_dict_post_resharding(
         layout = plan.new_layouts[name]
         new_locals[name] = {
             s.rect: torch.empty(
-                s.rect.rows, s.rect.cols, dtype=_dtype(value), device=_device(value)
+                s.rect.rows,
+                s.rect.cols,
+                dtype=_dtype(value),
+                device=_new_shard_device(value, output_tensor.device),
             )
             for s in layout.shards_on(curr_rank)
         }
@@ -299,13 +303,15 @@ def update_state_dict_post_resharding(
     return state_dict
 
 
-def _device(value: StateValue) -> torch.device:
+def _new_shard_device(value: StateValue, received: torch.device) -> torch.device:
+    """
+    Where this rank's new shards of a table live: where its old ones do, or,
+    on a rank that held none, where it received (this rank's device; never a
+    placement of another rank's shard).
+    """
     if isinstance(value, ShardedTensor):
         shards = value.local_shards()
-        if shards:
-            return shards[0].tensor.device
-        placement = value.metadata().shards_metadata[0].placement
-        return placement.device() if placement is not None else torch.device("cpu")
+        return shards[0].tensor.device if shards else received
     return value.device
 
 

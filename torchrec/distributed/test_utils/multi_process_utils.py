@@ -19,6 +19,7 @@ process).
 
 import contextlib
 import os
+import socket
 from datetime import timedelta
 from typing import (
     Any,
@@ -85,12 +86,24 @@ def process_group(
     if use_cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        # NCCL connects at once, bound to the rank's GPU
+        device_id=device if use_cuda else None,
     )
     try:
         yield dist.group.WORLD, device
     finally:
         dist.destroy_process_group()
+
+
+def free_port() -> str:
+    """A TCP port free on localhost now (for a one-rank job in this process)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return str(s.getsockname()[1])
 
 
 @contextlib.contextmanager

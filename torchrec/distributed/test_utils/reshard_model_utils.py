@@ -111,13 +111,18 @@ def model_specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:
     }
 
 
-def model_plan(size: int, shift: int) -> ShardingPlan:
-    """The ShardingPlan of :func:`model_specs` (fused kernels)."""
+def model_plan(
+    size: int, shift: int, device_type: str = "cpu", kernel: str = "fused"
+) -> ShardingPlan:
+    """The ShardingPlan of :func:`model_specs` (``kernel`` for the tables that
+    are not data-parallel), placed on ``device_type`` devices."""
     model = model_definition("cpu")
     specs = model_specs(size, shift)
     return ShardingPlan(
         {
-            name: make_plan(getattr(model, name), specs[name], size, size, "fused")
+            name: make_plan(
+                getattr(model, name), specs[name], size, size, kernel, device_type
+            )
             for name in ("ebc", "ec")
         }
     )

@@ -27,8 +27,8 @@ from torchrec.distributed.resharding import (
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
-    runner,
     slots,
+    wire,
 )
 from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.plan import Transfer
@@ -135,9 +135,10 @@ def _registry() -> Tuple[int, int, int]:
 
 
 def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> None:
-    """Every reshard exchanges on a group of its own, closed afterwards and
-    never registered in torch.distributed: nothing is cached between reshards
-    (or keyed by a group's id)."""
+    """Without kept exchange groups (``ReshardOptions.exchange_groups``) every
+    reshard exchanges on a group of its own, closed afterwards and never
+    registered in torch.distributed: nothing is cached between reshards (or
+    keyed by a group's id)."""
     with reshard_scenario(rank, world_size, port, 4) as scenario:
         pg, device, env = scenario.pg, scenario.device, scenario.env
         plan_a = scenario.plan(PLAN_A)
@@ -146,7 +147,7 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
         registry = _registry()
         opened: List[str] = []
         closed: List[str] = []
-        open_group = runner.open_exchange_group
+        open_group = wire.open_exchange_group
         close_group = ExchangeGroup.close
 
         def recording_open(*args: Any, **kwargs: Any) -> ExchangeGroup:
@@ -159,7 +160,7 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
             close_group(group)
 
         with (
-            mock.patch.object(runner, "open_exchange_group", recording_open),
+            mock.patch.object(wire, "open_exchange_group", recording_open),
             mock.patch.object(ExchangeGroup, "close", recording_close),
         ):
             for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):

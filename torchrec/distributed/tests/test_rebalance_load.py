@@ -12,14 +12,26 @@ The load monitor on a sharded DLRM (one rank, in this process): the ids and
 samples it counts per feature equal the sums of the batches' lengths; it
 times kernels, input dists and output dists; values a rank attaches to the
 window come back in its place; after a live reshard replaced the kernels its
-hooks follow the new ones; ``remove()`` leaves nothing behind.
+hooks follow the new ones; ``remove()`` leaves nothing behind. As on a GPU:
+timed with (stand-in) CUDA events, read after one synchronisation per window
+and none per step; counting a batch whose lengths live on the counters'
+device moves nothing between devices and reads nothing back to the host.
 """
 
+import time
 import unittest
-from typing import List
+from typing import Any, Dict, List, Optional, Set
+from unittest import mock
 
 import torch
-from torchrec.distributed.resharding.rebalance.load import LoadMonitor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torchrec.distributed.resharding.rebalance.load import (
+    _EventTimer,
+    _Timer,
+    LoadMonitor,
+    timer_type,
+)
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
@@ -33,6 +45,7 @@ from torchrec.distributed.test_utils.rebalance_utils import (
 )
 from torchrec.distributed.test_utils.reshard_utils import make_plan
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 NUM_TABLES, ROWS, DIM, BATCH = 3, 32, 8, 5
 LOADS: List[List[int]] = [[1, 4, 0], [2, 6, 1], [3, 1, 2]]
@@ -45,6 +58,109 @@ def _train(
     loss, _ = model(batch)
     loss.backward()
     optimizer.step()
+
+
+class _HostClockEvent:
+    """Stands in for torch.cuda.Event on a host without CUDA."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: Optional[float] = None
+
+    def record(self, stream: Any = None) -> None:
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "_HostClockEvent") -> float:
+        assert self.at is not None and end.at is not None
+        return (end.at - self.at) * 1000.0
+
+
+class _DeviceTraffic(TorchDispatchMode):
+    """Records ops that move data between devices or read a value back."""
+
+    READ_BACK: Set[Any] = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: Any = (),
+        kwargs: Optional[Dict[str, Any]] = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [
+            t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)
+        ]
+        if len({t.device for t in tensors}) > 1 or func in self.READ_BACK:
+            self.seen.append(str(func))
+        return out
+
+
+def _model_and_batches(pg: Any) -> Any:
+    env = ShardingEnv.from_process_group(pg)
+    plan = planned(
+        table_wise_planner(1, BATCH, [1.0] * NUM_TABLES), NUM_TABLES, ROWS, DIM
+    )
+    model, optimizer = rebalance_model(
+        env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
+    )
+    return model, optimizer, loaded_batches(LOADS, 0, ROWS, BATCH)
+
+
+class GpuTimingTest(unittest.TestCase):
+    def test_the_timer_follows_the_device(self) -> None:
+        self.assertIs(timer_type(torch.device("cuda", 0)), _EventTimer)
+        self.assertIs(timer_type(torch.device("cpu")), _Timer)
+        self.assertIs(timer_type(torch.device("cuda", 0), "host"), _Timer)
+        self.assertIs(timer_type(torch.device("cpu"), "events"), _EventTimer)
+        with self.assertRaisesRegex(ValueError, "timing"):
+            timer_type(torch.device("cpu"), "wall")
+
+    def test_events_are_read_after_one_synchronisation_per_window(self) -> None:
+        with single_rank_process_group() as pg, mock.patch(
+            "torch.cuda.Event", _HostClockEvent
+        ), mock.patch("torch.cuda.synchronize") as synchronize:
+            model, optimizer, batches = _model_and_batches(pg)
+            monitor = LoadMonitor.for_model(model, timing="events")
+            for batch in batches:
+                _train(model, optimizer, batch)
+                monitor.end_step()
+            synchronize.assert_not_called()
+            stats = monitor.collect(pg)
+            synchronize.assert_called_once_with(torch.device("cpu"))
+            self.assertGreater(stats.compute_seconds[0], 0.0)
+            self.assertGreater(stats.input_dist_seconds[0], 0.0)
+            self.assertGreater(stats.output_dist_seconds[0], 0.0)
+            monitor.remove()
+
+    def test_counting_a_batch_moves_nothing_between_devices(self) -> None:
+        with single_rank_process_group() as pg:
+            model, _, batches = _model_and_batches(pg)
+            # the counters on a device of their own (as on a GPU), the batch's
+            # lengths there too (as after the input dist)
+            meta = torch.device("meta")
+            monitor = LoadMonitor([(EBC_PATH, model.module.get_submodule(EBC_PATH))], meta)
+            features = batches[0].sparse_features
+            on_meta = KeyedJaggedTensor(
+                keys=features.keys(),
+                values=features.values().to(meta),
+                lengths=features.lengths().to(meta),
+            )
+            counter = monitor._monitors[0]
+            counter.count(on_meta)  # the first batch of these keys builds an index
+            traffic = _DeviceTraffic()
+            with traffic:
+                for _ in range(3):
+                    counter.count(on_meta)
+            self.assertEqual(traffic.seen, [])
+            monitor.remove()
 
 
 class LoadMonitorTest(unittest.TestCase):

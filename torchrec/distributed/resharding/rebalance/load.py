@@ -22,7 +22,11 @@ what each rank spends on its embeddings.
   output node time its backward (with the fused optimizer's update): the
   kernels' forward and backward are the rank's compute, the dists' calls are
   timed apart from it. A dist's awaitable is waited for later, where ranks
-  wait for each other; that waiting is in no figure but the step time.
+  wait for each other; that waiting is in no figure but the step time. On a
+  GPU the hooks record CUDA events on the stream each part runs on (a host
+  clock around asynchronous kernels would time their launch); the events are
+  read once per window, after one synchronisation in ``collect``, so no step
+  waits for the GPU.
 
 Every ``window`` steps ``LoadMonitor.collect`` packs this rank's counters into
 one flat tensor and all-reduces it once; ``statistics_from_vector`` (pure)
@@ -312,17 +316,90 @@ def _kernels(lookup: nn.Module) -> List[nn.Module]:
 
 
 class _Timer:
-    """Accumulates the seconds between pairs of start/stop calls."""
+    """
+    Accumulates the time between pairs of start/stop calls with the host's
+    clock (right where the work runs on the host, i.e. on CPU).
+    """
 
     def __init__(self) -> None:
-        self.seconds: float = 0.0
+        self._seconds: float = 0.0
         self._start: float = 0.0
 
     def start(self, *args: Any, **kwargs: Any) -> None:
         self._start = time.perf_counter()
 
     def stop(self, *args: Any, **kwargs: Any) -> None:
-        self.seconds += time.perf_counter() - self._start
+        self._seconds += time.perf_counter() - self._start
+
+    def add(self, other: "_Timer") -> None:
+        """Adds what another timer of the same kind measured."""
+        self._seconds += other._seconds
+
+    def seconds(self) -> float:
+        """Seconds measured (on CUDA: once the device finished the work)."""
+        return self._seconds
+
+    def reset(self) -> None:
+        self._seconds = 0.0
+
+
+class _EventTimer(_Timer):
+    """
+    Accumulates the GPU time between pairs of start/stop calls: each records
+    a CUDA event on the current stream (the stream the timed work is queued
+    on); the pairs' elapsed times are read by :meth:`seconds` once the device
+    finished them, so no call waits for the GPU.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: Optional[Any] = None
+        self._pairs: List[Tuple[Any, Any]] = []
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, *args: Any, **kwargs: Any) -> None:
+        self._pending = self._event()
+
+    def stop(self, *args: Any, **kwargs: Any) -> None:
+        if self._pending is not None:
+            self._pairs.append((self._pending, self._event()))
+            self._pending = None
+
+    def add(self, other: _Timer) -> None:
+        assert isinstance(other, _EventTimer)
+        self._pairs += other._pairs
+        other._pairs = []
+
+    def seconds(self) -> float:
+        self._seconds += sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
+        self._pairs = []
+        return self._seconds
+
+    def reset(self) -> None:
+        super().reset()
+        self._pairs = []
+        self._pending = None
+
+
+def timer_type(device: torch.device, timing: Optional[str] = None) -> type:
+    """
+    Args:
+        device (torch.device): where the timed kernels run.
+        timing (Optional[str]): "events" (CUDA events) or "host" (the host's
+            clock); default: events on CUDA, the host's clock elsewhere.
+
+    Returns:
+        type: the timer class.
+    """
+    if timing is None:
+        timing = "events" if device.type == "cuda" else "host"
+    if timing not in ("events", "host"):
+        raise ValueError(f"timing must be 'events' or 'host', got {timing!r}")
+    return _EventTimer if timing == "events" else _Timer
 
 
 class _ModuleMonitor:
@@ -336,8 +413,10 @@ class _ModuleMonitor:
         ids: torch.Tensor,
         samples: List[float],
         timers: Dict[str, _Timer],
+        timer: type = _Timer,
     ) -> None:
         self._path = path
+        self._timer = timer
         self._module = module
         self._slot_index = slot_index
         self._ids = ids
@@ -384,11 +463,11 @@ class _ModuleMonitor:
         compute.stop()
         node = getattr(output, "grad_fn", None)
         if node is not None:
-            backward = _Timer()
+            backward = self._timer()
 
             def stop(grad_inputs: Any, grad_outputs: Any) -> None:
                 backward.stop()
-                compute.seconds += backward.seconds
+                compute.add(backward)
 
             node.register_prehook(lambda grad_outputs: backward.start())
             node.register_hook(stop)
@@ -460,6 +539,9 @@ class LoadMonitor:
             of every sharded EBC / EC to watch.
         device (torch.device): where the id counters live (the device of the
             process group's collectives).
+        timing (Optional[str]): how parts are timed: "events" (CUDA events,
+            read once per window) or "host" (the host's clock); default:
+            events on CUDA, the host's clock elsewhere.
 
     Example::
 
@@ -471,7 +553,10 @@ class LoadMonitor:
     """
 
     def __init__(
-        self, modules: Sequence[Tuple[str, nn.Module]], device: torch.device
+        self,
+        modules: Sequence[Tuple[str, nn.Module]],
+        device: torch.device,
+        timing: Optional[str] = None,
     ) -> None:
         self.module_tables: List[Tuple[str, List[Tuple[str, List[str]]]]] = [
             (path, module_tables(m)) for path, m in modules
@@ -483,12 +568,15 @@ class LoadMonitor:
             len(self.slots) + 1, dtype=torch.float64, device=device
         )
         self._samples: List[float] = [0.0] * (len(self.slots) + 1)
+        self._timer: type = timer_type(device, timing)
         self._timers: Dict[str, _Timer] = {
-            name: _Timer()
+            name: self._timer()
             for name in ("compute_seconds", "input_dist_seconds", "output_dist_seconds")
         }
         self._monitors: List[_ModuleMonitor] = [
-            _ModuleMonitor(path, m, index, self._ids, self._samples, self._timers)
+            _ModuleMonitor(
+                path, m, index, self._ids, self._samples, self._timers, self._timer
+            )
             for path, m in modules
         ]
         self._steps: int = 0
@@ -499,12 +587,16 @@ class LoadMonitor:
         self._reshard_seconds: float = 0.0
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> "LoadMonitor":
+    def for_model(
+        cls, model: nn.Module, timing: Optional[str] = None
+    ) -> "LoadMonitor":
         """
         A monitor over every module of a ``DistributedModelParallel``'s plan.
 
         Args:
             model (DistributedModelParallel): the sharded model.
+            timing (Optional[str]): see :class:`LoadMonitor` (default: by the
+                model's device).
 
         Returns:
             LoadMonitor: hooks registered.
@@ -513,7 +605,7 @@ class LoadMonitor:
         for path in sorted(model.plan.plan):
             module = model.module.get_submodule(path) if path else model.module
             modules.append((path, module))
-        return cls(modules, model.device)
+        return cls(modules, model.device, timing)
 
     @property
     def steps(self) -> int:
@@ -554,11 +646,14 @@ class LoadMonitor:
         n = len(self.slots)
         timed = self._timed_steps
         mean_step = self._step_seconds / timed if timed > 0 else 0.0
+        if self._timer is _EventTimer:
+            # the window's one wait for the GPU: every timed event completed
+            torch.cuda.synchronize(self._ids.device)
         values = {
             "steps": float(self._steps),
-            "compute_seconds": self._timers["compute_seconds"].seconds,
-            "input_dist_seconds": self._timers["input_dist_seconds"].seconds,
-            "output_dist_seconds": self._timers["output_dist_seconds"].seconds,
+            "compute_seconds": self._timers["compute_seconds"].seconds(),
+            "input_dist_seconds": self._timers["input_dist_seconds"].seconds(),
+            "output_dist_seconds": self._timers["output_dist_seconds"].seconds(),
             "step_seconds": mean_step * self._steps,
             "reshard_bytes": self._reshard_bytes,
             "reshard_seconds": self._reshard_seconds,
@@ -588,7 +683,7 @@ class LoadMonitor:
         self._ids.zero_()
         self._samples[:] = [0.0] * len(self._samples)  # shared with the monitors
         for timer in self._timers.values():
-            timer.seconds = 0.0
+            timer.reset()
         self._steps = 0
         self._step_seconds = 0.0
         self._timed_steps = 0

@@ -22,9 +22,28 @@ rank, so every rank decides the same.
 """
 
 from dataclasses import dataclass, replace
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
-DEFAULT_BANDWIDTH: float = 50.0 * 2**20  # bytes/s before any reshard measured
+# Bytes/s a rank's move is assumed to run at before a reshard was measured,
+# by device type: gloo over TCP between hosts, and NCCL between GPUs
+# (conservative next to NVLink or InfiniBand; the first measured reshard
+# replaces it).
+DEFAULT_BANDWIDTHS: Dict[str, float] = {
+    "cpu": 50.0 * 2**20,
+    "cuda": 2.0 * 2**30,
+}
+DEFAULT_BANDWIDTH: float = DEFAULT_BANDWIDTHS["cpu"]
+
+
+def default_bandwidth(device_type: str) -> float:
+    """
+    Args:
+        device_type (str): the model's device type.
+
+    Returns:
+        float: the bytes/s a move is assumed to run at before one was measured.
+    """
+    return DEFAULT_BANDWIDTHS.get(device_type, DEFAULT_BANDWIDTH)
 
 
 @dataclass(frozen=True)
@@ -42,8 +61,10 @@ class RebalancePolicy:
             plus receive in one reshard (None: no limit).
         horizon (int): steps over which the predicted saving is counted
             against the move's cost.
-        default_bandwidth (float): bytes per second a move is assumed to run
-            at before a reshard was measured (conservative).
+        default_bandwidth (Optional[float]): bytes per second a move is
+            assumed to run at before a reshard was measured (conservative);
+            None: the figure of the model's device type
+            (``DEFAULT_BANDWIDTHS``, see :meth:`on_device`).
         backoff (int): after a failed reshard, the next one waits
             ``min_interval * backoff ** failures`` steps; after a full replan
             that failed or found nothing worth it, the next one waits as long.
@@ -59,7 +80,7 @@ class RebalancePolicy:
     min_interval: int = 200
     move_budget_bytes: Optional[int] = None
     horizon: int = 1000
-    default_bandwidth: float = DEFAULT_BANDWIDTH
+    default_bandwidth: Optional[float] = None
     backoff: int = 2
     full_replan: bool = True
 
@@ -83,7 +104,7 @@ class RebalancePolicy:
             )
         if not isinstance(self.horizon, int) or self.horizon < 1:
             problems.append(f"horizon must be an integer >= 1, got {self.horizon!r}")
-        if not self.default_bandwidth > 0:
+        if self.default_bandwidth is not None and not self.default_bandwidth > 0:
             problems.append(
                 f"default_bandwidth must be positive, got {self.default_bandwidth!r}"
             )
@@ -91,6 +112,23 @@ class RebalancePolicy:
             problems.append(f"backoff must be an integer >= 1, got {self.backoff!r}")
         if problems:
             raise ValueError("bad RebalancePolicy: " + "; ".join(problems))
+
+    def on_device(self, device_type: str) -> "RebalancePolicy":
+        """
+        Args:
+            device_type (str): the model's device type.
+
+        Returns:
+            RebalancePolicy: this policy, its default bandwidth that of the
+            device type unless it names one.
+        """
+        if self.default_bandwidth is not None:
+            return self
+        return replace(self, default_bandwidth=default_bandwidth(device_type))
+
+    def assumed_bandwidth(self) -> float:
+        """Bytes/s before a reshard was measured (the host's if unresolved)."""
+        return self.default_bandwidth or DEFAULT_BANDWIDTH
 
 
 @dataclass(frozen=True)
@@ -170,13 +208,13 @@ def move_seconds(
     policy: RebalancePolicy, state: PolicyState, max_rank_bytes: int
 ) -> float:
     """Predicted seconds of a move whose busiest rank sends + receives that much."""
-    bandwidth = state.bandwidth or policy.default_bandwidth
+    bandwidth = state.bandwidth or policy.assumed_bandwidth()
     return max_rank_bytes / bandwidth
 
 
 def byte_price(policy: RebalancePolicy, state: PolicyState) -> float:
     """Seconds per step one byte moved costs: its move time over the horizon."""
-    bandwidth = state.bandwidth or policy.default_bandwidth
+    bandwidth = state.bandwidth or policy.assumed_bandwidth()
     return 1.0 / (bandwidth * policy.horizon)
 
 

@@ -103,6 +103,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
     ReplanRequest,
 )
 from torchrec.distributed.resharding.runner import TransactionReport
+from torchrec.distributed.resharding.wire import ExchangeGroups
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -281,7 +282,10 @@ class Rebalancer:
             pooling figures.
         sharders (Optional[Sequence[ModuleSharder[nn.Module]]]): for the full
             planner (default: the model's).
-        options (Optional[ReshardOptions]): how reshards (and dry runs) run.
+        options (Optional[ReshardOptions]): how reshards (and dry runs) run;
+            the rebalancer keeps its exchange groups connected between its
+            reshards (in the options' ``ExchangeGroups``, else in its own,
+            which :meth:`close` shuts down).
         rebuild_optimizer (Optional[Callable[[nn.Module], None]]): called with
             the model after a reshard that rebuilt dense or data-parallel
             tables; without it such candidates are refused.
@@ -331,7 +335,8 @@ class Rebalancer:
                 f"the topology has {topology.world_size} ranks, the model's "
                 f"process group {self._world_size}"
             )
-        self.policy: RebalancePolicy = policy
+        # a move's assumed bandwidth before one was measured: the device's
+        self.policy: RebalancePolicy = policy.on_device(model.device.type)
         self._model = model
         self._topology = topology
         self._batch_size = batch_size
@@ -339,7 +344,16 @@ class Rebalancer:
         self._sharders: List[ModuleSharder[nn.Module]] = list(
             sharders if sharders is not None else model_sharders(model)
         )
-        self._options = options
+        options = options or ReshardOptions()
+        # the rebalancer's reshards connect each set of ranks once
+        self._own_groups: Optional[ExchangeGroups] = (
+            None if options.exchange_groups is not None else ExchangeGroups()
+        )
+        self._options: ReshardOptions = (
+            options
+            if self._own_groups is None
+            else replace(options, exchange_groups=self._own_groups)
+        )
         self._rebuild_optimizer = rebuild_optimizer
         self._keep_kernels = keep_kernels
         self._allow_data_parallel = allow_data_parallel
@@ -376,8 +390,13 @@ class Rebalancer:
         return self._background.ready()
 
     def close(self) -> None:
-        """Removes the monitor's hooks; ``step()`` must not be called after."""
+        """
+        Removes the monitor's hooks and shuts down the exchange groups kept
+        for the reshards; ``step()`` must not be called after.
+        """
         self._monitor.remove()
+        if self._own_groups is not None:
+            self._own_groups.close()
 
     def step(self) -> Optional[RebalanceDecision]:
         """
@@ -608,7 +627,7 @@ class Rebalancer:
     ) -> RebalanceDecision:
         start = time.perf_counter()
         posted = self._posted_replan(view) if self._rank == 0 else None
-        timeout = self._options.exchange_timeout if self._options else None
+        timeout = self._options.exchange_timeout
         try:
             agreement = agree_among_ranks(
                 self._global_ranks,

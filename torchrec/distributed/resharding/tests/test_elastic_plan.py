@@ -159,6 +159,15 @@ class CheckMoveAgreementTest(unittest.TestCase):
         self.assertEqual(agreed.tables, TABLES)
         self.assertEqual(agreed.transaction_ranks([1, 3]), [1, 3])
 
+    def test_the_exchange_runs_on_a_device_every_rank_has(self) -> None:
+        old, new = [0, 1], [0, 1, 2]
+        facts = [_facts(r, old, new, model=r in old) for r in new]
+        for f in facts:
+            f.device_type = "cuda"
+        self.assertEqual(check_move_agreement(new, facts).exchange_device_type, "cuda")
+        facts[2].device_type = "cpu"  # a joining rank without a GPU
+        self.assertEqual(check_move_agreement(new, facts).exchange_device_type, "cpu")
+
     def test_grow_agrees_with_joining_ranks(self) -> None:
         old, new = [0, 1], [0, 1, 2, 3]
         facts = [_facts(r, old, new, model=r in old) for r in new]

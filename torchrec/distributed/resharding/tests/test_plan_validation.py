@@ -243,13 +243,23 @@ class ValidationTest(unittest.TestCase):
     def test_unsupported_compute_kernel(self) -> None:
         for kernel in (
             EmbeddingComputeKernel.QUANT.value,
+            EmbeddingComputeKernel.QUANT_UVM_CACHING.value,
             EmbeddingComputeKernel.KEY_VALUE.value,
-            EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
         ):
             self.assert_rejected(
                 sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], kernel=kernel),
                 f"compute kernel '{kernel}'",
             )
+
+    def test_every_kernel_upstream_reshards_is_accepted(self) -> None:
+        for kernel in (
+            EmbeddingComputeKernel.FUSED.value,
+            EmbeddingComputeKernel.FUSED_UVM.value,
+            EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
+        ):
+            ps = sharding_by_hand("table_wise", [(0, 0, 10, 16, 0)], kernel=kernel)
+            layout = validate_parameter_sharding("t", ps, 10, 16, 2, "cpu")
+            self.assertEqual(layout.shards[0].rank, 0)
 
     def test_table_wise_with_two_shards(self) -> None:
         self.assert_rejected(

@@ -27,6 +27,7 @@ from torchrec.distributed.resharding.rebalance.policy import (
     blocked_reason,
     byte_price,
     DEFAULT_BANDWIDTH,
+    DEFAULT_BANDWIDTHS,
     judge_move,
     may_replan,
     PolicyState,
@@ -106,6 +107,20 @@ class RebalancePolicyTest(unittest.TestCase):
         self.assertEqual(state.blocked_until, 300 + 50 * 4)
         state = after_reshard(policy, state, step=600)
         self.assertEqual(state.failures, 0)
+
+    def test_the_assumed_bandwidth_is_the_devices(self) -> None:
+        cuda = RebalancePolicy().on_device("cuda")
+        self.assertEqual(cuda.default_bandwidth, DEFAULT_BANDWIDTHS["cuda"])
+        self.assertEqual(
+            RebalancePolicy().on_device("cpu").default_bandwidth, DEFAULT_BANDWIDTH
+        )
+        self.assertGreater(DEFAULT_BANDWIDTHS["cuda"], DEFAULT_BANDWIDTH)
+        mine = RebalancePolicy(default_bandwidth=123.0)
+        self.assertEqual(mine.on_device("cuda").default_bandwidth, 123.0)
+        self.assertAlmostEqual(
+            byte_price(cuda, PolicyState()),
+            1 / (DEFAULT_BANDWIDTHS["cuda"] * cuda.horizon),
+        )
 
     def test_byte_price(self) -> None:
         policy = RebalancePolicy(horizon=1000)

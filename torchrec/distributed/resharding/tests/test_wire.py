@@ -15,8 +15,10 @@ over other ranks all work (``new_group`` with local synchronization names
 groups by ranks and group count, and hangs on the second); nothing of
 ``torch.distributed``'s registries changes; messages, broadcasts, objects
 and the maximum arrive exactly; a peer that never connects fails the
-connection with ReshardAbortedError within the timeout. In one process: the
-order in which a rank posts a pair's messages.
+connection with ReshardAbortedError within the timeout; kept groups
+(``ExchangeGroups``) serve the next exchange of the same ranks when every rank
+kept the same one, and ranks that kept different ones agree to connect anew.
+In one process: the order in which a rank posts a pair's messages.
 """
 
 import time
@@ -27,11 +29,14 @@ from typing import Any, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torchrec.distributed.resharding.agreement import agree_among_ranks
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.wire import (
     ExchangeGroup,
+    ExchangeGroups,
     Message,
     open_exchange_group,
+    same_kept_group,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
     MultiRankTestBase,
@@ -104,9 +109,48 @@ def _run_missing_peer(rank: int, world_size: int, port: str) -> None:
         dist.barrier()
 
 
+def _open_agreed(groups: ExchangeGroups, ranks: List[int]) -> ExchangeGroup:
+    """The members agree whether they all kept a group, then open it."""
+    device = torch.device("cpu")
+    agreed = agree_among_ranks(
+        ranks,
+        0,
+        None,
+        groups.kept_name(ranks, device),
+        timedelta(seconds=30),
+        merge=same_kept_group,
+    )
+    return groups.open(
+        ranks, agreed.transaction, timedelta(seconds=30), device, agreed.merged
+    )
+
+
+def _run_kept_groups(rank: int, world_size: int, port: str) -> None:
+    with process_group(rank, world_size, port, timeout_s=60) as (_, _):
+        ranks = [0, 1]
+        groups = ExchangeGroups()
+        first = _open_agreed(groups, ranks)
+        _talk(first, ranks, seed=1)
+        # every rank kept it: the next exchange reuses it
+        again = _open_agreed(groups, ranks)
+        assert again.name == first.name and groups.connected == 1
+        _talk(again, ranks, seed=2)
+        # rank 1 lost its group (say, it failed alone): both connect anew
+        if rank == 1:
+            groups.close()
+        fresh = _open_agreed(groups, ranks)
+        assert fresh.name != first.name and groups.connected == 2, fresh.name
+        _talk(fresh, ranks, seed=3)
+        groups.close()
+        dist.barrier()
+
+
 class ExchangeGroupTest(MultiRankTestBase):
     def test_only_members_connect_any_groups_in_a_row(self) -> None:
         self.run_ranks(_run_groups, world_size=4)
+
+    def test_kept_groups_serve_the_ranks_that_all_kept_them(self) -> None:
+        self.run_ranks(_run_kept_groups, world_size=2)
 
     def test_a_missing_peer_fails_the_connection_in_time(self) -> None:
         self.run_ranks(_run_missing_peer, world_size=2)

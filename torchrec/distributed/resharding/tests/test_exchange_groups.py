@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+The exchange group as NCCL needs it, in one process (a one-rank job, whose
+group's backend records what the runner asks of it): a success shuts a
+transaction's group down, a failure aborts it and never shuts it down; kept
+groups (``ExchangeGroups``) connect once and serve the next transactions of
+the same ranks, until a failure aborts and replaces them; a coalescing
+backend gets each round as one call; the device is normalised once and
+synchronised before the exchange touches kernel memory and before the commit.
+"""
+
+import contextlib
+import unittest
+from datetime import timedelta
+from typing import Any, List, Tuple
+from unittest import mock
+
+import torch
+from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.plan import ReshardAbortedError
+from torchrec.distributed.resharding.runner import run_transaction
+from torchrec.distributed.resharding.wire import (
+    ExchangeGroup,
+    Message,
+    normalized_device,
+    same_kept_group,
+    synchronize_device,
+)
+from torchrec.distributed.test_utils.multi_process_utils import (
+    single_rank_process_group,
+)
+from torchrec.distributed.test_utils.transaction_doubles import (
+    CopyParticipant,
+    RecordingGroups,
+)
+
+
+class FailureSemanticsTest(unittest.TestCase):
+    def test_a_success_shuts_the_transactions_group_down(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        with single_rank_process_group():
+            with mock.patch(
+                "torchrec.distributed.resharding.runner.ExchangeGroups",
+                return_value=groups,
+            ):
+                report = run_transaction(CopyParticipant(calls))
+        self.assertEqual(calls, ["build", "connect", "slots", "commit", "shutdown"])
+        self.assertGreater(report.connect_seconds, 0.0)
+
+    def test_a_failure_aborts_the_group_and_never_shuts_it_down(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        with single_rank_process_group():
+            with mock.patch(
+                "torchrec.distributed.resharding.runner.ExchangeGroups",
+                return_value=groups,
+            ):
+                with self.assertRaisesRegex(ReshardAbortedError, "injected"):
+                    run_transaction(CopyParticipant(calls, fail=True))
+        self.assertEqual(
+            calls, ["build", "connect", "slots", "abort", "participant abort"]
+        )
+
+
+class KeptGroupsTest(unittest.TestCase):
+    def test_one_connection_serves_every_transaction_of_the_ranks(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        options = ReshardOptions(exchange_groups=groups)
+        with single_rank_process_group():
+            first = CopyParticipant(calls)
+            a = run_transaction(first, options)
+            b = run_transaction(CopyParticipant(calls), options)
+            self.assertTrue(torch.equal(first.new, first.old))
+            self.assertEqual(groups.connected, 1)
+            self.assertEqual(a.exchange_group, b.exchange_group)
+            self.assertEqual(b.connect_seconds, 0.0)
+            self.assertEqual(calls.count("shutdown") + calls.count("abort"), 0)
+            groups.close()
+        self.assertEqual(calls.count("shutdown"), 1)
+
+    def test_a_failure_replaces_the_kept_group(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        options = ReshardOptions(exchange_groups=groups)
+        with single_rank_process_group():
+            a = run_transaction(CopyParticipant(calls), options)
+            with self.assertRaises(ReshardAbortedError):
+                run_transaction(CopyParticipant(calls, fail=True), options)
+            self.assertEqual(calls.count("abort"), 1)
+            c = run_transaction(CopyParticipant(calls), options)
+            self.assertEqual(groups.connected, 2)
+            self.assertNotEqual(a.exchange_group, c.exchange_group)
+            groups.close()
+        self.assertEqual(calls.count("shutdown"), 1)
+        self.assertEqual(calls.count("abort"), 1)
+
+    def test_a_new_timeout_reaches_the_kept_backend(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        with single_rank_process_group():
+            for seconds in (30, 40):
+                options = ReshardOptions(
+                    exchange_timeout=timedelta(seconds=seconds),
+                    exchange_groups=groups,
+                )
+                run_transaction(CopyParticipant(calls), options)
+            groups.close()
+        self.assertIn("set_timeout 40", calls)
+        self.assertEqual(groups.connected, 1)
+
+    def test_ranks_reuse_a_group_only_when_all_kept_it(self) -> None:
+        self.assertEqual(same_kept_group(["t3", "t3", "t3"]), "t3")
+        self.assertEqual(same_kept_group(["t3", "", "t3"]), "")
+        self.assertEqual(same_kept_group(["t3", "t4"]), "")
+        self.assertEqual(same_kept_group(["", ""]), "")
+
+
+class _CoalescingRecorder:
+    """A backend that records its point-to-point and coalescing calls."""
+
+    def __init__(self) -> None:
+        self.calls: List[Tuple[Any, ...]] = []
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        self.calls.append(("start", device))
+
+    def _end_coalescing(self, device: torch.device) -> str:
+        self.calls.append(("end", device))
+        return "one work"
+
+    def send(self, tensors: List[torch.Tensor], peer: int, tag: int) -> str:
+        self.calls.append(("send", peer, tag))
+        return "send work"
+
+    def recv(self, tensors: List[torch.Tensor], peer: int, tag: int) -> str:
+        self.calls.append(("recv", peer, tag))
+        return "recv work"
+
+
+class CoalescingTest(unittest.TestCase):
+    def test_a_round_is_one_coalesced_call(self) -> None:
+        t = torch.zeros(1)
+        device = torch.device("cuda", 1)
+        backend = _CoalescingRecorder()
+        group = ExchangeGroup(
+            backend, 1, 3, timedelta(seconds=1), device, coalesced=True
+        )
+        works = group.post(
+            [
+                Message(t, 2, 0, send=False),
+                Message(t, 0, 0, send=True),
+                Message(t, 2, 0, send=True),
+                Message(t, 0, 0, send=False),
+            ]
+        )
+        self.assertEqual(works, ["one work"])
+        self.assertEqual(
+            backend.calls,
+            [
+                ("start", device),
+                ("recv", 0, 0),
+                ("send", 0, 0),
+                ("send", 2, 0),
+                ("recv", 2, 0),
+                ("end", device),
+            ],
+        )
+        self.assertEqual(group.post([]), [])
+
+    def test_a_group_over_a_cuda_process_group_coalesces(self) -> None:
+        with single_rank_process_group() as pg:
+            self.assertTrue(
+                ExchangeGroup.over(pg, device=torch.device("cuda", 0)).coalesced
+            )
+            self.assertFalse(ExchangeGroup.over(pg).coalesced)
+
+
+def _cuda_memory_of_a_machine_without_cuda() -> Any:
+    """torch.cuda's memory figures, for a participant on a GPU this host lacks."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch("torch.cuda.mem_get_info", return_value=(2**40, 2**40)))
+    stack.enter_context(mock.patch("torch.cuda.memory_allocated", return_value=0))
+    stack.enter_context(mock.patch("torch.cuda.max_memory_allocated", return_value=0))
+    return stack
+
+
+class DeviceTest(unittest.TestCase):
+    def test_cuda_without_index_is_the_current_device(self) -> None:
+        with mock.patch("torch.cuda.current_device", return_value=3):
+            self.assertEqual(
+                normalized_device(torch.device("cuda")), torch.device("cuda", 3)
+            )
+            self.assertEqual(
+                normalized_device(torch.device("cuda", 1)), torch.device("cuda", 1)
+            )
+        self.assertEqual(normalized_device(torch.device("cpu")), torch.device("cpu"))
+
+    def test_only_a_cuda_device_is_synchronised(self) -> None:
+        with mock.patch("torch.cuda.synchronize") as sync:
+            synchronize_device(torch.device("cpu"))
+            sync.assert_not_called()
+            synchronize_device(torch.device("cuda", 2))
+            sync.assert_called_once_with(torch.device("cuda", 2))
+
+    def test_the_runner_synchronises_before_the_exchange_and_the_commit(
+        self,
+    ) -> None:
+        # A one-rank exchange of local copies: the device is normalised once
+        # and synchronised before the slots are read and before the commit.
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        options = ReshardOptions(exchange_groups=groups)
+        with single_rank_process_group(), mock.patch(
+            "torch.cuda.current_device", return_value=1
+        ), mock.patch(
+            "torchrec.distributed.resharding.runner.synchronize_device",
+            side_effect=lambda d: calls.append(f"synchronize {d}"),
+        ), _cuda_memory_of_a_machine_without_cuda():
+            run_transaction(CopyParticipant(calls, device=torch.device("cuda")), options)
+            groups.close()
+        self.assertEqual(
+            calls,
+            [
+                "build",
+                "synchronize cuda:1",
+                "connect",
+                "slots",
+                "synchronize cuda:1",
+                "commit",
+                "shutdown",
+            ],
+        )
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Doubles for one-process tests of the transaction runner: a participant that
+copies one table of one rank into a new slot (and records what it is asked),
+and kept exchange groups whose backends record their lifecycle calls
+(connect, abort, shutdown, set_timeout) while they exchange for real.
+"""
+
+from datetime import timedelta
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.resharding.fields import Field, FieldKind
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.runner import (
+    Participant,
+    Slots,
+    TransactionLayouts,
+)
+from torchrec.distributed.resharding.slots import LocalSlot
+from torchrec.distributed.resharding.wire import (
+    ExchangeGroup,
+    ExchangeGroups,
+    open_exchange_group,
+)
+
+WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
+WHOLE = Rect(0, 0, 4, 3)
+
+
+class RecordingBackend:
+    """A real backend whose lifecycle calls are recorded."""
+
+    def __init__(self, backend: Any, calls: List[str]) -> None:
+        self._backend = backend
+        self.calls = calls
+
+    def abort(self) -> None:
+        self.calls.append("abort")
+        self._backend.abort()
+
+    def shutdown(self) -> None:
+        self.calls.append("shutdown")
+        self._backend.shutdown()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.calls.append(f"set_timeout {timeout.total_seconds():g}")
+        self._backend.set_timeout(timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+
+class RecordingGroups(ExchangeGroups):
+    """Kept groups (gloo, on the host) whose backends record their calls."""
+
+    def __init__(self, calls: List[str]) -> None:
+        super().__init__()
+        self.calls = calls
+
+    def connect(
+        self,
+        global_ranks: Sequence[int],
+        transaction: str,
+        timeout: timedelta,
+        device: torch.device,
+    ) -> ExchangeGroup:
+        self.calls.append("connect")
+        group = open_exchange_group(global_ranks, transaction, timeout)
+        return ExchangeGroup(
+            RecordingBackend(group.backend, self.calls),
+            group.rank,
+            group.size,
+            group.timeout,
+            group.device,
+            owned=True,
+            name=group.name,
+        )
+
+
+class CopyParticipant(Participant[Any, Any]):
+    """
+    One 4x3 table of a one-rank job copied into a new slot; it may fail after
+    the fill, and states any device (its tensors stay on the host).
+
+    Args:
+        calls (List[str]): where it records what it is asked.
+        fail (bool): raise after the fill.
+        device (Optional[torch.device]): the device it states.
+    """
+
+    kind = "copy"
+
+    def __init__(
+        self,
+        calls: List[str],
+        fail: bool = False,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.calls = calls
+        self.fail = fail
+        self._device: torch.device = device or torch.device("cpu")
+        self.old: torch.Tensor = torch.arange(12, dtype=torch.float32).view(4, 3)
+        self.new: torch.Tensor = torch.zeros(4, 3)
+
+    def ranks(self) -> List[int]:
+        return [dist.get_rank()]
+
+    def request(self) -> List[str]:
+        return ["copy"]
+
+    def prepare(self) -> Any:
+        return None
+
+    def agreed(self, merged: Any) -> TransactionLayouts:
+        layout = TableLayout(4, 3, (PlacedShard(0, WHOLE),))
+        return TransactionLayouts({"t": layout}, {"t": layout}, {"t": (WEIGHT,)})
+
+    def build(self) -> None:
+        self.calls.append("build")
+        self.new.zero_()
+
+    def slots(self) -> Tuple[Slots, Slots]:
+        self.calls.append("slots")
+        old = LocalSlot("t", WHOLE, {"weight": self.old})
+        new = LocalSlot("t", WHOLE, {"weight": self.new})
+        return {("t", WHOLE): old}, {("t", WHOLE): new}
+
+    def after_exchange(self, group: ExchangeGroup) -> None:
+        if self.fail:
+            raise RuntimeError("injected after the fill")
+
+    def commit(self) -> int:
+        self.calls.append("commit")
+        return 0
+
+    def abort(self) -> None:
+        self.calls.append("participant abort")
+
+    def device(self) -> torch.device:
+        return self._device

@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+What only a GPU shows; each test is skipped with its reason where the
+machine lacks the GPUs it needs (as upstream skips its GPU tests). See
+docs/gpu.md for how to run them.
+
+One GPU (a one-rank job in this process, NCCL):
+
+* a FUSED_UVM_CACHING table keeps the newest values of its hot rows in its
+  HBM cache: a reshard and an unshard right after training (nothing flushed
+  them before) carry those values, equal to a twin trained in HBM (FUSED);
+  tables then move FUSED -> FUSED_UVM -> FUSED_UVM_CACHING -> FUSED, each
+  step equal to a module sharded directly, and train on alike;
+* the device-memory pre-flight: what a reshard adds on the GPU stays within
+  its bound, the report carries the peak, and a reshard whose bound exceeds
+  the free memory (mem_get_info reporting less) is refused, the module
+  unchanged;
+* the load monitor times with CUDA events and adds no synchronisation to a
+  training step (``torch.cuda.set_sync_debug_mode``).
+
+Two GPUs (two ranks, NCCL):
+
+* a rank failing after the fill: every rank raises ReshardAbortedError
+  within the exchange timeout, the processes live on (the group is aborted,
+  NCCL's watchdog never acts), the module is unchanged, and the next reshard
+  connects a new group and goes through;
+* kept exchange groups: one NCCL communicator serves every reshard;
+* unshard and shard-from-rank exchange over NCCL, values exact.
+"""
+
+import contextlib
+import unittest
+import warnings
+from datetime import timedelta
+from typing import Any, Dict, List
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.resharding import (
+    ExchangeGroups,
+    reshard_module,
+    ReshardAbortedError,
+    ReshardError,
+    ReshardOptions,
+    shard_from_rank,
+    unshard_model,
+)
+from torchrec.distributed.resharding.rebalance.load import LoadMonitor
+from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.test_utils.multi_process_utils import free_port
+from torchrec.distributed.test_utils.rebalance_utils import (
+    EBC_PATH,
+    loaded_batches,
+    rebalance_dlrm,
+    rebalance_model,
+)
+from torchrec.distributed.test_utils.reshard_model_utils import (
+    make_dense_optimizer,
+    model_definition,
+    model_plan,
+    model_sharders,
+    sharded_model,
+    train_model,
+)
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
+from torchrec.distributed.test_utils.reshard_utils import (
+    assert_optimizer_states_equal,
+    assert_state_dicts_equal,
+    delta,
+    global_weights,
+    make_plan,
+    ReshardTestBase,
+    train_step,
+)
+from torchrec.distributed.types import ShardingPlan
+
+FUSED = EmbeddingComputeKernel.FUSED.value
+UVM = EmbeddingComputeKernel.FUSED_UVM.value
+CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+
+ONE_GPU = unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
+TWO_GPUS = unittest.skipUnless(
+    torch.cuda.device_count() >= 2,
+    "needs 2 CUDA devices (NCCL puts one rank on each GPU)",
+)
+
+# 4 tables: t3 stays put while the others move between the two ranks
+PLAN_A = {
+    "t0": ("table_wise", 0),
+    "t1": ("column_wise", [0, 1]),
+    "t2": ("row_wise", None),
+    "t3": ("table_wise", 0),
+}
+PLAN_B = {
+    "t0": ("table_wise", 1),
+    "t1": ("table_wise", 0),
+    "t2": ("column_wise", [1, 0]),
+    "t3": ("table_wise", 0),
+}
+EXCHANGE_TIMEOUT = timedelta(seconds=10)
+
+
+def _kernels(plan: Dict[str, Any], kernel: str) -> Dict[str, Any]:
+    for ps in plan.values():
+        ps.compute_kernel = kernel
+    return plan
+
+
+def _assert_weights_close(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    """Equal up to the rounding of two kernel kinds' arithmetic; a stale row
+    (a whole optimizer step behind) is far outside it."""
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+class OneGpuTest(unittest.TestCase):
+    @ONE_GPU
+    def test_a_cached_kernels_hot_rows_move_with_it(self) -> None:
+        specs = {"t0": ("table_wise", 0), "t1": ("table_wise", 0)}
+        rows = [2048, 2048]
+        with reshard_scenario(0, 1, free_port(), num_tables=2, rows=rows) as s:
+            cached, hbm = _kernels(s.plan(specs), CACHING), _kernels(s.plan(specs), FUSED)
+            uvm = _kernels(s.plan(specs), UVM)
+            module, twin = s.shard(cached), s.shard(hbm)
+            for batch in s.batches(4, seed=3):
+                train_step(module, batch.to(s.device))
+                train_step(twin, batch.to(s.device))
+            # nothing read (and flushed) the cache since the last step
+            reshard_module(module, delta(cached, uvm), s.env)
+            _assert_weights_close(global_weights(module, s.pg), global_weights(twin, s.pg))
+
+            # the same through unshard, from a whole model
+            model, _ = self._model(s.env, CACHING)
+            twin_model, _ = self._model(s.env, FUSED)
+            for m in (model, twin_model):
+                optimizer = make_dense_optimizer(m)
+                for step in range(3):
+                    train_model(m, optimizer, step, 0)
+            unsharded = unshard_model(model)
+            assert unsharded is not None
+            expected = {
+                k[len("ebc.") :]: v
+                for k, v in global_weights(twin_model, s.pg).items()
+                if k.startswith("ebc.")
+            }
+            _assert_weights_close(unsharded.modules["ebc"].state_dict(), expected)
+
+    def _model(self, env: Any, kernel: str) -> Any:
+        plan = model_plan(1, 0, "cuda", kernel)
+        return sharded_model(env, plan, torch.device("cuda", 0)), plan
+
+    @ONE_GPU
+    def test_tables_move_between_hbm_uvm_and_the_cache(self) -> None:
+        specs = {"t0": ("table_wise", 0), "t1": ("column_wise", [0, 0])}
+        with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
+            chain = [_kernels(s.plan(specs), k) for k in (FUSED, UVM, CACHING, FUSED)]
+            batches = [b.to(s.device) for b in s.batches(len(chain) + 2, seed=4)]
+            module = s.shard(chain[0])
+            train_step(module, batches[0])
+            for step, (old, new) in enumerate(zip(chain, chain[1:])):
+                state = s.global_state(module)
+                reshard_module(module, delta(old, new), s.env)
+                reference = s.reference(new, state)
+                assert_state_dicts_equal(module.state_dict(), reference.state_dict())
+                assert_optimizer_states_equal(module, reference)
+                out = train_step(module, batches[step + 1])
+                ref = train_step(reference, batches[step + 1])
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+    @ONE_GPU
+    def test_the_preflight_bounds_refuses_and_reports(self) -> None:
+        specs_a = {"t0": ("table_wise", 0), "t1": ("table_wise", 0)}
+        specs_b = {"t0": ("column_wise", [0, 0]), "t1": ("table_wise", 0)}
+        rows, dims = [1 << 15] * 2, [128, 128]
+        with reshard_scenario(
+            0, 1, free_port(), num_tables=2, rows=rows, dims=dims
+        ) as s:
+            a, b = s.plan(specs_a), s.plan(specs_b)
+            module = s.shard(a)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(s.device)
+            torch.cuda.reset_peak_memory_stats(s.device)  # this test's own figures
+            report = reshard_module(module, delta(a, b), s.env)
+            self.assertEqual(report.memory_kind, "cuda_allocated")
+            added = report.peak_memory_bytes - before
+            self.assertGreater(added, 0)
+            self.assertLessEqual(added, report.estimated_peak_bytes)
+
+            weights = global_weights(module, s.pg)
+            _, total = torch.cuda.mem_get_info(s.device)
+            short = (report.estimated_peak_bytes // 2, total)
+            with mock.patch("torch.cuda.mem_get_info", return_value=short):
+                with self.assertRaisesRegex(ReshardError, "B short"):
+                    reshard_module(module, delta(b, a), s.env)
+            after = global_weights(module, s.pg)
+            for key in weights:
+                self.assertTrue(torch.equal(weights[key], after[key]), key)
+            self.assertEqual(module.module_sharding_plan, b)
+
+    @ONE_GPU
+    def test_the_load_monitor_adds_no_synchronisation(self) -> None:
+        with reshard_scenario(0, 1, free_port()) as s:
+            dlrm = rebalance_dlrm(3, 64, 8, torch.device("meta"))
+            ebc = dlrm.model.sparse_arch.embedding_bag_collection
+            plan = ShardingPlan(
+                {
+                    EBC_PATH: make_plan(
+                        ebc,
+                        {f"t{i}": ("table_wise", 0) for i in range(3)},
+                        1,
+                        1,
+                        FUSED,
+                        "cuda",
+                    )
+                }
+            )
+            model, optimizer = rebalance_model(s.env, s.device, plan, 3, 64, 8)
+            batches = loaded_batches([[1, 4, 0], [2, 6, 1]] * 3, 0, 64, 5)
+
+            def step(batch: Any) -> int:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        optimizer.zero_grad()
+                        loss, _ = model(batch.to(s.device))
+                        loss.backward()
+                        optimizer.step()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                return sum("synchroniz" in str(w.message) for w in seen)
+
+            step(batches[0])  # warm-up
+            bare = [step(b) for b in batches[1:3]]
+            monitor = LoadMonitor.for_model(model)
+            step(batches[3])  # the monitor's first batch builds its index
+            monitor.end_step()
+            watched = []
+            for batch in batches[4:6]:
+                watched.append(step(batch))
+                monitor.end_step()
+            self.assertEqual(watched, bare)
+            stats = monitor.collect(s.pg)
+            self.assertGreater(stats.compute_seconds[0], 0.0)
+            monitor.remove()
+
+
+def _raise(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("injected after the fill")
+
+
+def _run_abort(rank: int, world_size: int, port: str) -> None:
+    with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
+        assert s.device.type == "cuda", s.device
+        a, b = s.plan(PLAN_A), s.plan(PLAN_B)
+        groups = ExchangeGroups()
+        options = ReshardOptions(exchange_timeout=EXCHANGE_TIMEOUT, exchange_groups=groups)
+        module, reference = s.shard(a), s.shard(a)
+        reshard_module(module, delta(a, b), s.env, s.device, options)
+        reshard_module(reference, delta(a, b), s.env, s.device)
+        assert_state_dicts_equal(module.state_dict(), reference.state_dict())
+
+        fault = (
+            mock.patch.object(ModuleReshard, "after_exchange", _raise)
+            if rank == 1
+            else contextlib.nullcontext()
+        )
+        outcome = "no error"
+        with fault:
+            try:
+                reshard_module(module, delta(b, a), s.env, s.device, options)
+            except ReshardAbortedError:
+                outcome = "aborted"
+        outcomes: List[Any] = [None] * world_size
+        dist.all_gather_object(outcomes, outcome, group=s.pg)
+        assert outcomes == ["aborted"] * world_size, outcomes
+        assert_state_dicts_equal(module.state_dict(), reference.state_dict())
+
+        reshard_module(module, delta(b, a), s.env, s.device, options)
+        reshard_module(reference, delta(b, a), s.env, s.device)
+        assert groups.connected == 2, groups.connected
+        assert_state_dicts_equal(module.state_dict(), reference.state_dict())
+        groups.close()
+
+
+def _run_kept_communicator(rank: int, world_size: int, port: str) -> None:
+    with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
+        a, b = s.plan(PLAN_A), s.plan(PLAN_B)
+        groups = ExchangeGroups()
+        options = ReshardOptions(exchange_groups=groups)
+        module = s.shard(a)
+        names = []
+        for old, new in ((a, b), (b, a), (a, b)):
+            report = reshard_module(module, delta(old, new), s.env, s.device, options)
+            names.append(report.exchange_group)
+        assert groups.connected == 1 and len(set(names)) == 1, names
+        weights = global_weights(module, s.pg)
+        expected = global_weights(s.shard(b), s.pg)
+        for key in expected:
+            assert torch.equal(weights[key], expected[key]), key
+        groups.close()
+
+
+def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> None:
+    with reshard_scenario(rank, world_size, port, 1, timeout_s=120) as s:
+        model = sharded_model(s.env, model_plan(world_size, 0, "cuda"), s.device)
+        weights = global_weights(model, s.pg)
+        unsharded = unshard_model(model, dst=0)
+        if rank == 0:
+            assert unsharded is not None
+            for key, value in unsharded.modules["ebc"].state_dict().items():
+                assert torch.equal(value, weights[f"ebc.{key}"]), key
+        source = model_definition("cpu") if rank == 0 else model_definition()
+        sharded = shard_from_rank(
+            source,
+            model_plan(world_size, 1, "cuda"),
+            s.env,
+            src=0,
+            sharders=model_sharders(),
+            device=s.device,
+        )
+        again = global_weights(sharded, s.pg)
+        for key, value in global_weights(model, s.pg).items():
+            if key.startswith("ebc.") or key.startswith("ec."):
+                assert torch.equal(again[key], value), key
+
+
+class TwoGpuTest(ReshardTestBase):
+    @TWO_GPUS
+    def test_a_failure_after_the_fill_aborts_every_rank_and_the_job_lives(
+        self,
+    ) -> None:
+        self.run_ranks(_run_abort, 2)
+
+    @TWO_GPUS
+    def test_one_communicator_serves_every_reshard(self) -> None:
+        self.run_ranks(_run_kept_communicator, 2)
+
+    @TWO_GPUS
+    def test_unshard_and_shard_from_rank_over_nccl(self) -> None:
+        self.run_ranks(_run_unshard_and_shard_from_rank, 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
