@@ -173,6 +173,20 @@ def test_header_only_and_plain_lines_must_match_the_patch(repo_copy: Path) -> No
     assert f"{header_only.name}: has no diff" in problems
 
 
+def test_a_subject_too_long_for_a_mail_is_reported(repo_copy: Path) -> None:
+    """Exported commits are mails: check refuses a subject over 100
+    characters before an export would carry it."""
+    entry = forklib.load_stack(repo_copy)[-1]
+    path = repo_copy / "patches" / entry.name
+    subject = "resharding: " + "x" * 89
+    text = path.read_text().replace(entry.patch.subject, subject, 1)
+    path.write_text(text)
+    problems = "\n".join(forklib.stack_problems(repo_copy))
+    assert f"{entry.name}: its subject has 101 characters" in problems
+    path.write_text(text.replace(subject, subject[:-1], 1))
+    assert forklib.stack_problems(repo_copy) == []
+
+
 def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> None:
     # The last entry with an overlay diff: no later diff changes its files,
     # so the final file's lines are that diff's post-image.

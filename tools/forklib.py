@@ -467,6 +467,10 @@ def parse_series(repo: Path = REPO_ROOT, every_base: bool = False) -> List[Serie
     return parse_series_text(series.read_text(), base=base)
 
 
+#: The longest commit subject an entry may have (the exported mails' subjects).
+MAX_SUBJECT = 100
+
+
 def series_problems(repo: Path = REPO_ROOT) -> List[str]:
     """
     What is wrong with the one series across the bases, one message each:
@@ -949,6 +953,11 @@ def stack_problems(
             )
         if not entry.patch.subject or not entry.patch.body:
             problems.append(f"{name}: needs a subject and a body (what and why)")
+        if len(entry.patch.subject) > MAX_SUBJECT:
+            problems.append(
+                f"{name}: its subject has {len(entry.patch.subject)} characters, "
+                f"more than {MAX_SUBJECT} (a commit subject says what in one line)"
+            )
         if not has_diff and not entry.files and not entry.overlay_diff.strip():
             problems.append(f"{name}: changes nothing")
     for rel in sorted(overlay - set(owner)):
