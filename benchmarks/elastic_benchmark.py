@@ -74,7 +74,9 @@ from common import (
     gather_to_json,
     MiB,
     output_arguments,
+    progress,
     save_results,
+    worker_setup,
 )
 from reshard_benchmark import reset_hwm, status_kib  # same folder
 from torch import nn
@@ -768,15 +770,7 @@ def method_list(args: argparse.Namespace) -> List[str]:
 def worker(
     rank: int, port: int, args: argparse.Namespace, out_path: str, ckpt_base: str
 ) -> None:
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if not args.verbose:
-        import logging
-        import warnings
-
-        warnings.filterwarnings("ignore")
-        logging.getLogger("torchrec").setLevel(logging.ERROR)
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    worker_setup(port, args.verbose, loggers=("torchrec", "torch.distributed"))
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
     from torchrec.distributed.types import ShardingEnv
@@ -825,11 +819,11 @@ def worker(
                 r.update(rep=rep, method=method, move=move, rank=rank)
                 r["warmup"] = rep < args.warmup
                 results.append(r)
-                if rank == 0 and args.verbose:
-                    print(
-                        f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
-                        flush=True,
-                    )
+                progress(
+                    rank,
+                    args.verbose,
+                    f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
+                )
     gather_to_json(results, out_path, world)
     ctx.model = None
     dist.destroy_process_group()
