@@ -20,7 +20,7 @@ from torchrec.distributed.embedding import (
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
-from torchrec.distributed.test_utils.reshard_utils import OPTIMIZERS
+from torchrec.distributed.test_utils.reshard_utils import numbered_tables, OPTIMIZERS
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -45,16 +45,9 @@ def make_ec(
         EmbeddingCollection: on CPU, with deterministic weights.
     """
     rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = [
-        EmbeddingConfig(
-            name=f"t{i}",
-            embedding_dim=dim,
-            num_embeddings=rows[i],
-            feature_names=[f"f{i}"],
-            data_type=data_type,
-        )
-        for i in range(num_tables)
-    ]
+    tables = numbered_tables(
+        EmbeddingConfig, num_tables, [dim] * num_tables, rows, data_type
+    )
     torch.manual_seed(seed)
     return EmbeddingCollection(tables=tables, device=torch.device("cpu"))
 

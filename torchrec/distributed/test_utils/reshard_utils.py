@@ -25,6 +25,8 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Type,
+    TypeVar,
 )
 
 import torch
@@ -62,7 +64,11 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+)
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -80,6 +86,40 @@ OPTIMIZERS: Dict[str, EmbOptimType] = {
     "adagrad": EmbOptimType.EXACT_ADAGRAD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
 }
+
+ConfigT = TypeVar("ConfigT", bound=BaseEmbeddingConfig)
+
+
+def numbered_tables(
+    config: Type[ConfigT],
+    num_tables: int,
+    dims: Sequence[int],
+    rows: Sequence[int],
+    data_type: DataType = DataType.FP32,
+) -> List[ConfigT]:
+    """
+    The configs of tables "t0".."tN", table ``ti`` read by feature "fi".
+
+    Args:
+        config (Type[ConfigT]): EmbeddingBagConfig or EmbeddingConfig.
+        num_tables (int): number of tables.
+        dims (Sequence[int]): embedding dim per table (at least ``num_tables``).
+        rows (Sequence[int]): rows per table (at least ``num_tables``).
+        data_type (DataType): every table's data type.
+
+    Returns:
+        List[ConfigT]: one config per table.
+    """
+    return [
+        config(
+            name=f"t{i}",
+            embedding_dim=dims[i],
+            num_embeddings=rows[i],
+            feature_names=[f"f{i}"],
+            data_type=data_type,
+        )
+        for i in range(num_tables)
+    ]
 
 
 def make_ebc(
@@ -102,16 +142,7 @@ def make_ebc(
     """
     dims = dims or [16] * num_tables
     rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=dims[i],
-            num_embeddings=rows[i],
-            feature_names=[f"f{i}"],
-            data_type=data_type,
-        )
-        for i in range(num_tables)
-    ]
+    tables = numbered_tables(EmbeddingBagConfig, num_tables, dims, rows, data_type)
     torch.manual_seed(seed)
     return EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
 
