@@ -13,14 +13,14 @@ ones (plans, global state gathered with collectives, comparisons) are in
 ``reshard_utils`` and work on a ShardedEmbeddingCollection as they are.
 """
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from torchrec.distributed.embedding import (
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
-from torchrec.distributed.test_utils.reshard_utils import numbered_tables, OPTIMIZERS
+from torchrec.distributed.test_utils.reshard_utils import fused_params, numbered_tables
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -66,11 +66,7 @@ def make_ec_sharder(
     Returns:
         EmbeddingCollectionSharder: the sharder.
     """
-    fused: Dict[str, Any] = {}
-    if optimizer is not None:
-        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
-        if optimizer != "sgd":
-            fused["eps"] = 0.01
+    fused = fused_params(optimizer)
     if output_dtensor:
         fused["output_dtensor"] = True
     return EmbeddingCollectionSharder(fused_params=fused or None)

@@ -80,6 +80,8 @@ TableSpec = Tuple[str, Any]
 
 FUSED: str = EmbeddingComputeKernel.FUSED.value
 DENSE: str = EmbeddingComputeKernel.DENSE.value
+UVM: str = EmbeddingComputeKernel.FUSED_UVM.value
+CACHING: str = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 OPTIMIZERS: Dict[str, EmbOptimType] = {
     "sgd": EmbOptimType.EXACT_SGD,
@@ -238,6 +240,25 @@ def delta(
     return {name: ps for name, ps in new.items() if old[name] != ps}
 
 
+def fused_params(optimizer: Optional[str]) -> Dict[str, Any]:
+    """
+    The fused params of the tests' sharders.
+
+    Args:
+        optimizer (Optional[str]): fused optimizer name (see OPTIMIZERS), or None.
+
+    Returns:
+        Dict[str, Any]: the optimizer, learning rate 0.05 and (but for SGD) eps
+        0.01; empty without an optimizer.
+    """
+    fused: Dict[str, Any] = {}
+    if optimizer is not None:
+        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
+        if optimizer != "sgd":
+            fused["eps"] = 0.01
+    return fused
+
+
 def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
     """
     Args:
@@ -246,12 +267,7 @@ def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
     Returns:
         EmbeddingBagCollectionSharder: the sharder.
     """
-    fused: Dict[str, Any] = {}
-    if optimizer is not None:
-        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
-        if optimizer != "sgd":
-            fused["eps"] = 0.01
-    return EmbeddingBagCollectionSharder(fused_params=fused or None)
+    return EmbeddingBagCollectionSharder(fused_params=fused_params(optimizer) or None)
 
 
 def shard(
@@ -592,6 +608,19 @@ def assert_reshard_matches_direct(
 
 class ReshardTestBase(MultiRankTestBase):
     """The base of the multi-process resharding tests (see MultiRankTestBase)."""
+
+    def run_matches_direct(self, world_size: int, **kwargs: Any) -> None:
+        """
+        :func:`assert_reshard_matches_direct` on ``world_size`` ranks.
+
+        Args:
+            world_size (int): the number of ranks.
+            **kwargs (Any): its arguments but the rank's own.
+
+        Returns:
+            None
+        """
+        self.run_ranks(assert_reshard_matches_direct, world_size, **kwargs)
 
 
 def multi_process_settings(max_examples: int) -> Callable[[Any], Any]:

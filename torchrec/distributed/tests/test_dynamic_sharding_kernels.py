@@ -25,12 +25,7 @@ from unittest import mock
 
 import torch
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding import (
-    reshard_module,
-    ReshardError,
-    unshard_model,
-)
+from torchrec.distributed.resharding import reshard_module, ReshardError, unshard_model
 from torchrec.distributed.resharding.elastic_plan import check_movable_kernels
 from torchrec.distributed.resharding.kernel_state import batched_kernels, shard_weight
 from torchrec.distributed.resharding.plan import Rect
@@ -44,14 +39,13 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    CACHING,
     delta,
+    FUSED,
     global_weights,
+    UVM,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-
-FUSED = EmbeddingComputeKernel.FUSED.value
-UVM = EmbeddingComputeKernel.FUSED_UVM.value
-CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 
 def _with_kernels(plan: Dict[str, Any], kernels: Dict[str, str]) -> Dict[str, Any]:
@@ -125,7 +119,9 @@ class EveryKernelTest(unittest.TestCase):
             reference = s.reference(new, state)
             assert_state_dicts_equal(module.state_dict(), reference.state_dict())
             assert_optimizer_states_equal(module, reference)
-            self.assertEqual(module.module_sharding_plan, reference.module_sharding_plan)
+            self.assertEqual(
+                module.module_sharding_plan, reference.module_sharding_plan
+            )
             assert_same_training(module, reference, batches[1:], FUSED, s.device)
 
     def test_every_kernel_read_is_flushed_first(self) -> None:
@@ -158,9 +154,7 @@ class EveryKernelTest(unittest.TestCase):
             assert unsharded is not None
             spy.assert_flushed_before_read(len(kernels))
             for key, value in unsharded.modules["ebc"].state_dict().items():
-                torch.testing.assert_close(
-                    value, weights[f"ebc.{key}"], rtol=0, atol=0
-                )
+                torch.testing.assert_close(value, weights[f"ebc.{key}"], rtol=0, atol=0)
 
     def test_new_kernels_start_with_an_empty_cache(self) -> None:
         purged: List[Any] = []
@@ -219,6 +213,7 @@ class RefusalTest(unittest.TestCase):
             shard_weight(int8_rows, rect, "t")
         with self.assertRaisesRegex(ReshardError, "key-value"):
             shard_weight([weight], rect, "t")
+
 
 if __name__ == "__main__":
     unittest.main()
