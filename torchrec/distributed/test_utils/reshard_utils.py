@@ -524,6 +524,44 @@ def assert_same_training(
     assert_optimizer_states_equal(m1, m2)
 
 
+def reshard_with_reference(
+    unsharded: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    module: ShardedEmbeddingBagCollection,
+    old: EmbeddingModuleShardingPlan,
+    new: EmbeddingModuleShardingPlan,
+    env: ShardingEnv,
+    device: torch.device,
+    pg: dist.ProcessGroup,
+) -> ShardedEmbeddingBagCollection:
+    """
+    One step of a chain of reshards through the sharder's seed API: gathers
+    ``module``'s global state, reshards it from ``old`` to ``new`` in place,
+    and builds the oracle, a module sharded directly under ``new`` and loaded
+    with the state gathered before.
+
+    Args:
+        unsharded (EmbeddingBagCollection): the unsharded module (an EC too).
+        sharder (EmbeddingBagCollectionSharder): its sharder.
+        module (ShardedEmbeddingBagCollection): the sharded module, under ``old``.
+        old (EmbeddingModuleShardingPlan): its plan.
+        new (EmbeddingModuleShardingPlan): the plan it is resharded to.
+        env (ShardingEnv): the sharding environment.
+        device (torch.device): this rank's device.
+        pg (dist.ProcessGroup): the group the state is gathered over.
+
+    Returns:
+        ShardedEmbeddingBagCollection: the reference.
+    """
+    weights = global_weights(module, pg)
+    opt_state = global_optimizer_state(module, pg)
+    result = sharder.reshard(module, delta(old, new), env, device)
+    assert result is module
+    reference = shard(unsharded, sharder, new, env, device)
+    load_global_state(reference, weights, opt_state)
+    return reference
+
+
 def assert_reshard_matches_direct(
     rank: int,
     world_size: int,
@@ -589,13 +627,7 @@ def assert_reshard_matches_direct(
         # row-wise optimizer state of joined columns is averaged, so a chain
         # that joins and splits columns again is not expected to round-trip.
         for old, new in zip(module_plans, module_plans[1:]):
-            weights = global_weights(m2, pg)
-            opt_state = global_optimizer_state(m2, pg)
-            result = sharder.reshard(m2, delta(old, new), env, device)
-            assert result is m2
-
-            m1 = shard(ebc, sharder, new, env, device)
-            load_global_state(m1, weights, opt_state)
+            m1 = reshard_with_reference(ebc, sharder, m2, old, new, env, device, pg)
             assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
             assert_optimizer_states_equal(m1, m2)
             assert m1.module_sharding_plan == m2.module_sharding_plan
