@@ -47,6 +47,9 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
+# two tables, both table-wise on the one rank
+BOTH_ON_RANK_0: Dict[str, Any] = {"t0": ("table_wise", 0), "t1": ("table_wise", 0)}
+
 
 def _with_kernels(plan: Dict[str, Any], kernels: Dict[str, str]) -> Dict[str, Any]:
     for name, kernel in kernels.items():
@@ -126,14 +129,8 @@ class EveryKernelTest(unittest.TestCase):
 
     def test_every_kernel_read_is_flushed_first(self) -> None:
         with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
-            old = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": CACHING, "t1": UVM},
-            )
-            new = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": FUSED, "t1": CACHING},
-            )
+            old = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": CACHING, "t1": UVM})
+            new = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": FUSED, "t1": CACHING})
             module = s.shard(old)
             kernels = [b for lookup in module._lookups for b in batched_kernels(lookup)]
             spy = _KernelCalls(kernels)
@@ -159,14 +156,8 @@ class EveryKernelTest(unittest.TestCase):
     def test_new_kernels_start_with_an_empty_cache(self) -> None:
         purged: List[Any] = []
         with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
-            old = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": UVM, "t1": UVM},
-            )
-            new = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": CACHING, "t1": UVM},
-            )
+            old = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": UVM, "t1": UVM})
+            new = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": CACHING, "t1": UVM})
             module = s.shard(old)
             with mock.patch.object(
                 BatchedFusedEmbeddingBag,
