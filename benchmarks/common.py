@@ -72,6 +72,51 @@ def meta_ebc(names: Sequence[str], rows: int, dim: int) -> Any:
     return EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
 
 
+def worker_setup(
+    port: int, verbose: bool, loggers: Sequence[str] = ("torchrec",)
+) -> None:
+    """
+    A benchmark worker's first steps: rendezvous on localhost at ``port``, one
+    intra-op thread per rank (the ranks share the machine's cores), and,
+    unless ``verbose``, no warnings and only errors from ``loggers``.
+
+    Args:
+        port (int): the rendezvous port (``MASTER_PORT``).
+        verbose (bool): keep warnings and the loggers' messages.
+        loggers (Sequence[str]): the loggers to silence below ERROR.
+
+    Returns:
+        None
+    """
+    import logging
+    import warnings
+
+    import torch
+
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if not verbose:
+        warnings.filterwarnings("ignore")
+        for name in loggers:
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def progress(rank: int, verbose: bool, message: str) -> None:
+    """
+    A worker's progress line: printed (and flushed) by rank 0 when verbose.
+
+    Args:
+        rank (int): the worker's rank.
+        verbose (bool): whether the run reports progress.
+        message (str): the line.
+
+    Returns:
+        None
+    """
+    if rank == 0 and verbose:
+        print(message, flush=True)
+
+
 def gather_to_json(results: List[Any], path: str, group: Any) -> None:
     """
     Every rank's ``results``, gathered on every rank of ``group`` and written

@@ -74,7 +74,9 @@ from common import (
     gather_to_json,
     MiB,
     output_arguments,
+    progress,
     save_results,
+    worker_setup,
 )
 from reshard_benchmark import reset_hwm, status_kib  # same folder
 from torch import nn
@@ -158,18 +160,11 @@ def _global_layout(
     return layout.remap_ranks(dict(enumerate(group_ranks)))
 
 
-def plan_group_move(
-    old_plan: Any,
-    old_ranks: Sequence[int],
-    new_plan: Any,
-    new_ranks: Sequence[int],
-    tables: Mapping[str, Sequence[TableShape]],
-    table_bytes: Callable[[str, str], TableBytes],
-) -> GroupMoveDryRun:
+@dataclass(frozen=True)
+class GroupMove:
     """
-    The bytes a move of a model from ``old_ranks`` (under ``old_plan``) onto
-    ``new_ranks`` (under ``new_plan``) sends and receives per global rank: a
-    pure dry run of ``move_model`` (candidate for the library).
+    A move of a model from ``old_ranks`` (under ``old_plan``) onto
+    ``new_ranks`` (under ``new_plan``), as the dry runs read it.
 
     Args:
         old_plan (ShardingPlan): the plan on the old group (group-local ranks).
@@ -179,6 +174,47 @@ def plan_group_move(
         tables (Mapping[str, Sequence[TableShape]]): module path -> its tables.
         table_bytes (Callable[[str, str], TableBytes]): (path, table) -> the
             table's bytes per element and per row on the wire.
+    """
+
+    old_plan: Any
+    old_ranks: Sequence[int]
+    new_plan: Any
+    new_ranks: Sequence[int]
+    tables: Mapping[str, Sequence[TableShape]]
+    table_bytes: Callable[[str, str], TableBytes]
+
+    def table_layouts(self) -> List[Tuple[str, str, Any, Any, TableBytes]]:
+        """
+        Every table, by path and name.
+
+        Returns:
+            List[Tuple[str, str, Any, Any, TableBytes]]: its path, name, old
+            and new layouts (global ranks) and its bytes on the wire.
+        """
+        return [
+            (
+                path,
+                name,
+                _global_layout(
+                    self.old_plan.plan[path][name], rows, cols, self.old_ranks
+                ),
+                _global_layout(
+                    self.new_plan.plan[path][name], rows, cols, self.new_ranks
+                ),
+                self.table_bytes(path, name),
+            )
+            for path, shapes in sorted(self.tables.items())
+            for name, rows, cols in shapes
+        ]
+
+
+def plan_group_move(move: GroupMove) -> GroupMoveDryRun:
+    """
+    The bytes ``move`` sends and receives per global rank: a pure dry run of
+    ``move_model`` (candidate for the library).
+
+    Args:
+        move (GroupMove): the move.
 
     Returns:
         GroupMoveDryRun: bytes per global rank.
@@ -186,64 +222,55 @@ def plan_group_move(
     from torchrec.distributed.resharding.plan import plan_table_transfers
 
     out = GroupMoveDryRun()
-    for rank in sorted(set(old_ranks) | set(new_ranks)):
+    for rank in sorted(set(move.old_ranks) | set(move.new_ranks)):
         out.bytes_sent[rank] = 0
         out.bytes_received[rank] = 0
         out.bytes_copied_locally[rank] = 0
-    for path, shapes in sorted(tables.items()):
-        for name, rows, cols in shapes:
-            key = f"{path}:{name}"
-            old = _global_layout(old_plan.plan[path][name], rows, cols, old_ranks)
-            new = _global_layout(new_plan.plan[path][name], rows, cols, new_ranks)
-            cost = table_bytes(path, name)
-            moved = False
-            for t in plan_table_transfers(key, old, new):
-                nbytes = t.rect.numel * cost.per_element + t.rect.rows * cost.per_row
-                if t.src_rank == t.dst_rank:
-                    out.bytes_copied_locally[t.dst_rank] += nbytes
-                else:
-                    out.bytes_sent[t.src_rank] += nbytes
-                    out.bytes_received[t.dst_rank] += nbytes
-                    pair = (t.src_rank, t.dst_rank)
-                    out.bytes_between[pair] = out.bytes_between.get(pair, 0) + nbytes
-                    moved = True
-            if moved:
-                out.tables_moved.append(key)
+    for path, name, old, new, cost in move.table_layouts():
+        key = f"{path}:{name}"
+        moved = False
+        for t in plan_table_transfers(key, old, new):
+            nbytes = t.rect.numel * cost.per_element + t.rect.rows * cost.per_row
+            if t.src_rank == t.dst_rank:
+                out.bytes_copied_locally[t.dst_rank] += nbytes
+            else:
+                out.bytes_sent[t.src_rank] += nbytes
+                out.bytes_received[t.dst_rank] += nbytes
+                pair = (t.src_rank, t.dst_rank)
+                out.bytes_between[pair] = out.bytes_between.get(pair, 0) + nbytes
+                moved = True
+        if moved:
+            out.tables_moved.append(key)
     return out
 
 
-def owner_change_bytes(
-    old_plan: Any,
-    old_ranks: Sequence[int],
-    new_plan: Any,
-    new_ranks: Sequence[int],
-    tables: Mapping[str, Sequence[TableShape]],
-    table_bytes: Callable[[str, str], TableBytes],
-) -> int:
+def owner_change_bytes(move: GroupMove) -> int:
     """
-    The same total as ``plan_group_move(...).total_bytes_moved``, by brute
+    The same total as ``plan_group_move(move).total_bytes_moved``, by brute
     force over every pair (old shard, new shard) on different global ranks
     (no replicated tables): a check of the dry run that does not use the
     library's transfer planning.
+
+    Args:
+        move (GroupMove): the move.
+
+    Returns:
+        int: the table bytes that change owner.
     """
     total = 0
-    for path, shapes in sorted(tables.items()):
-        for name, rows, cols in shapes:
-            old = _global_layout(old_plan.plan[path][name], rows, cols, old_ranks)
-            new = _global_layout(new_plan.plan[path][name], rows, cols, new_ranks)
-            assert not old.replicated and not new.replicated, name
-            cost = table_bytes(path, name)
-            for a in old.shards:
-                for b in new.shards:
-                    if a.rank == b.rank:
-                        continue
-                    r0 = max(a.rect.row, b.rect.row)
-                    r1 = min(a.rect.row + a.rect.rows, b.rect.row + b.rect.rows)
-                    c0 = max(a.rect.col, b.rect.col)
-                    c1 = min(a.rect.col + a.rect.cols, b.rect.col + b.rect.cols)
-                    if r1 > r0 and c1 > c0:
-                        total += (r1 - r0) * (c1 - c0) * cost.per_element
-                        total += (r1 - r0) * cost.per_row
+    for _, name, old, new, cost in move.table_layouts():
+        assert not old.replicated and not new.replicated, name
+        for a in old.shards:
+            for b in new.shards:
+                if a.rank == b.rank:
+                    continue
+                r0 = max(a.rect.row, b.rect.row)
+                r1 = min(a.rect.row + a.rect.rows, b.rect.row + b.rect.rows)
+                c0 = max(a.rect.col, b.rect.col)
+                c1 = min(a.rect.col + a.rect.cols, b.rect.col + b.rect.cols)
+                if r1 > r0 and c1 > c0:
+                    total += (r1 - r0) * (c1 - c0) * cost.per_element
+                    total += (r1 - r0) * cost.per_row
     return total
 
 
@@ -719,12 +746,14 @@ def run_floor(ctx: Ctx, old: Tuple[int, ...], new: Tuple[int, ...]) -> Dict[str,
     live move fills a newly built model). The model is not touched.
     """
     dry = plan_group_move(
-        ctx.plans[old],
-        old,
-        ctx.plans[new],
-        new,
-        tables_of(ctx.args),
-        table_bytes_of(ctx.args),
+        GroupMove(
+            ctx.plans[old],
+            old,
+            ctx.plans[new],
+            new,
+            tables_of(ctx.args),
+            table_bytes_of(ctx.args),
+        )
     )
     ranks = sorted(set(old) | set(new))
     assert ranks == list(range(WORLD)), ranks  # the union is the world here
@@ -768,15 +797,7 @@ def method_list(args: argparse.Namespace) -> List[str]:
 def worker(
     rank: int, port: int, args: argparse.Namespace, out_path: str, ckpt_base: str
 ) -> None:
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if not args.verbose:
-        import logging
-        import warnings
-
-        warnings.filterwarnings("ignore")
-        logging.getLogger("torchrec").setLevel(logging.ERROR)
-        logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    worker_setup(port, args.verbose, loggers=("torchrec", "torch.distributed"))
     timeout = timedelta(seconds=args.timeout_s)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timeout)
     from torchrec.distributed.types import ShardingEnv
@@ -825,11 +846,11 @@ def worker(
                 r.update(rep=rep, method=method, move=move, rank=rank)
                 r["warmup"] = rep < args.warmup
                 results.append(r)
-                if rank == 0 and args.verbose:
-                    print(
-                        f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
-                        flush=True,
-                    )
+                progress(
+                    rank,
+                    args.verbose,
+                    f"  rep {rep} {method:<11} {move}: {r['seconds']:.3f} s",
+                )
     gather_to_json(results, out_path, world)
     ctx.model = None
     dist.destroy_process_group()
@@ -861,8 +882,9 @@ def required_bytes(args: argparse.Namespace) -> Dict[str, Dict[str, Any]]:
     out: Dict[str, Dict[str, Any]] = {}
     for move, old, new in MOVES:
         old_plan, new_plan = make_plan(args, len(old)), make_plan(args, len(new))
-        dry = plan_group_move(old_plan, old, new_plan, new, tables, cost)
-        brute = owner_change_bytes(old_plan, old, new_plan, new, tables, cost)
+        group_move = GroupMove(old_plan, old, new_plan, new, tables, cost)
+        dry = plan_group_move(group_move)
+        brute = owner_change_bytes(group_move)
         if brute != dry.total_bytes_moved:
             raise AssertionError(
                 f"{move}: the dry run says {dry.total_bytes_moved} B, the "

@@ -62,7 +62,9 @@ from common import (
     meta_ebc,
     MiB,
     output_arguments,
+    progress,
     save_results,
+    worker_setup,
 )
 
 DIM = 128
@@ -540,14 +542,7 @@ def worker(
     out_path: str,
     resettable: bool,
 ) -> None:
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    if not args.verbose:
-        import logging
-        import warnings
-
-        warnings.filterwarnings("ignore")
-        logging.getLogger("torchrec").setLevel(logging.ERROR)
+    worker_setup(port, args.verbose)
     dist.init_process_group(
         "gloo", rank=rank, world_size=ws, timeout=timedelta(seconds=args.timeout_s)
     )
@@ -565,11 +560,11 @@ def worker(
             r = run_fork(method, args, size, rank, ws, pg, env, resettable)
         r.update(size=size, method=method, rank=rank)
         results.append(r)
-        if rank == 0 and args.verbose:
-            print(
-                f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}",
-                flush=True,
-            )
+        progress(
+            rank,
+            args.verbose,
+            f"  size {size // MiB} MiB {method}: times {['%.3f' % t for t in r['times']]}",
+        )
     gather_to_json(results, out_path, pg)
     dist.destroy_process_group()
 

@@ -414,20 +414,17 @@ def plot(
         )
         xs = [r["world"] for r in pts]
         color = f"C{i}"
-        ax.plot(
-            xs,
-            [r["rank_max_s"] for r in pts],
-            "o-",
-            color=color,
-            label=f"T={tables}: per rank (max)",
-        )
-        ax.plot(
-            xs,
-            [r["dry_run_s"] for r in pts],
-            "s-.",
-            color=color,
-            label=f"T={tables}: dry run, all ranks",
-        )
+        for key, style, what in (
+            ("rank_max_s", "o-", "per rank (max)"),
+            ("dry_run_s", "s-.", "dry run, all ranks"),
+        ):
+            ax.plot(
+                xs,
+                [r[key] for r in pts],
+                style,
+                color=color,
+                label=f"T={tables}: {what}",
+            )
         ax.plot(xs, [r["today_s"] for r in pts], ":", color=color)
         measured = [r for r in pts if r["today_how"] == "measured"]
         guessed = [r for r in pts if r["today_how"] != "measured"]

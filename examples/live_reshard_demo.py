@@ -47,6 +47,7 @@ from typing import Dict, List, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -297,6 +298,57 @@ def everywhere(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def same_state(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
+    """
+    Whether ``a`` and ``b`` hold bit-identical weights and fused optimizer
+    state on every rank (the one shared oracle of the resharding tests); a
+    rank where they differ says how.
+
+    Args:
+        a (nn.Module): the model.
+        b (nn.Module): the one it is compared with.
+        device (torch.device): this rank's device (for the vote).
+
+    Returns:
+        bool: the same on every rank.
+    """
+    try:
+        assert_state_dicts_equal(a.state_dict(), b.state_dict())
+        assert_optimizer_states_equal(a, b)
+        same = True
+    except AssertionError as e:
+        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
+        same = False
+    return everywhere(same, device)
+
+
+def set_up(
+    args: argparse.Namespace, phases: int, story: str
+) -> Tuple[EmbeddingBagCollectionSharder, List[Batch]]:
+    """
+    Phase 0 of a demo: says the set-up, then makes the tables' sharder (with
+    the fused ``--optimizer``) and this rank's batches.
+
+    Args:
+        args (argparse.Namespace): the demo's options.
+        phases (int): the demo's last phase.
+        story (str): the end of the set-up line.
+
+    Returns:
+        Tuple[EmbeddingBagCollectionSharder, List[Batch]]: the sharder and the
+        batches.
+    """
+    say(
+        f"phase 0/{phases} setup: {dist.get_world_size()} ranks ({args.backend}), "
+        f"DLRM with {args.num_tables} tables x {args.rows} rows x dim {args.dim}"
+        + story
+    )
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": OPTIMIZERS[args.optimizer], "learning_rate": 0.05}
+    )
+    return sharder, make_batches(args, dist.get_rank())
+
+
 def matches_reference(
     args: argparse.Namespace,
     sharder: EmbeddingBagCollectionSharder,
@@ -330,27 +382,14 @@ def matches_reference(
             f"    step {step}  loss (rank 0) {live.item():.9f}  "
             f"reference {loss.item():.9f}  {'bit-identical' if same else 'DIFFERENT'}"
         )
-    try:  # the one shared oracle of the resharding tests
-        assert_state_dicts_equal(model.state_dict(), reference.state_dict())
-        assert_optimizer_states_equal(model, reference)
-        same = True
-    except AssertionError as e:
-        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
-        same = False
-    return everywhere(same, device) and exact
+    return same_state(model, reference, device) and exact
 
 
 def demo(args: argparse.Namespace, device: torch.device) -> int:
     """The user's story on this rank; returns the exit status."""
-    say(
-        f"phase 0/5 setup: {dist.get_world_size()} ranks ({args.backend}), DLRM "
-        f"with {args.num_tables} tables x {args.rows} rows x dim {args.dim}, "
-        f"fused {args.optimizer} for the tables, SGD for the dense part"
+    sharder, batches = set_up(
+        args, 5, f", fused {args.optimizer} for the tables, SGD for the dense part"
     )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OPTIMIZERS[args.optimizer], "learning_rate": 0.05}
-    )
-    batches = make_batches(args, dist.get_rank())
     stream = iter(batches)
 
     plan_a = make_plan(args, sharder, shifted=False)
@@ -404,15 +443,11 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
 
 def rebalance_demo(args: argparse.Namespace, device: torch.device) -> int:
     """``--rebalance``: the shift is measured and the Rebalancer reshards."""
-    say(
-        f"phase 0/4 setup: {dist.get_world_size()} ranks ({args.backend}), DLRM "
-        f"with {args.num_tables} tables x {args.rows} rows x dim {args.dim}; the "
-        f"load shifts after step {args.steps_before} (nobody tells the job)"
+    sharder, batches = set_up(
+        args,
+        4,
+        f"; the load shifts after step {args.steps_before} (nobody tells the job)",
     )
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": OPTIMIZERS[args.optimizer], "learning_rate": 0.05}
-    )
-    batches = make_batches(args, dist.get_rank())
     planner = make_planner(args, shifted=False)
     plan_a = planner.collective_plan(
         build_dlrm(args, torch.device("meta")), [sharder], dist.group.WORLD
@@ -465,14 +500,7 @@ def rebalance_demo(args: argparse.Namespace, device: torch.device) -> int:
         exact = everywhere(torch.equal(loss, live[step - 1]), device) and exact
         if step in reshards:
             replay.reshard(reshards[step], options)
-    try:
-        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
-        assert_optimizer_states_equal(model, replay)
-        same = True
-    except AssertionError as e:
-        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
-        same = False
-    exact = everywhere(same, device) and exact
+    exact = same_state(model, replay, device) and exact
     say(
         "phase 4/4 the rebalanced run equals the plans applied by hand (losses, "
         f"weights, optimizer state): {'YES' if exact else 'NO'}"

@@ -7,18 +7,26 @@ from typing import List
 from conftest import REPO
 
 DEMO = REPO / "examples" / "live_reshard_demo.py"
-SMALL: List[str] = [
-    "--rows",
-    "64",
-    "--dim",
-    "8",
-    "--batch-size",
-    "8",
-    "--steps-before",
-    "2",
-    "--steps-after",
-    "2",
-]
+
+
+def small(steps_before: int = 2, steps_after: int = 2) -> List[str]:
+    """The options of a small, fast run: tiny tables and batches, and
+    ``steps_before`` and ``steps_after`` training steps around the reshard."""
+    return [
+        "--rows",
+        "64",
+        "--dim",
+        "8",
+        "--batch-size",
+        "8",
+        "--steps-before",
+        str(steps_before),
+        "--steps-after",
+        str(steps_after),
+    ]
+
+
+SMALL: List[str] = small()
 
 
 def run_demo(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -60,19 +68,7 @@ def test_demo_four_ranks_is_exact() -> None:
 def test_demo_rebalance_is_exact() -> None:
     """--rebalance: the load shift is only in the batches; the Rebalancer
     measures it, reshards, and the run equals the same plans applied by hand."""
-    proc = run_demo(
-        "--rows",
-        "64",
-        "--dim",
-        "8",
-        "--batch-size",
-        "8",
-        "--steps-before",
-        "4",
-        "--steps-after",
-        "6",
-        "--rebalance",
-    )
+    proc = run_demo(*small(steps_before=4, steps_after=6), "--rebalance")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "RESHARD (" in proc.stdout, out

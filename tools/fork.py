@@ -17,7 +17,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -544,8 +544,28 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.set_defaults(default_dir=default)
 
-    p = sub.add_parser(
+    def dir_option(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--dir",
+            type=Path,
+            default=None,
+            help="working tree (default: .fork/tree, with -VERSION on another base)",
+        )
+
+    def command(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        help: str,
+        description: str,
+        **defaults: Any,
+    ) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=description)
+        p.set_defaults(func=func, **defaults)
+        return p
+
+    p = command(
         "materialize",
+        cmd_materialize,
         help="build a git working tree: upstream, one commit per patch, overlay",
         description="Create DIR as a git repo whose first commit (tag 'upstream') "
         "is the pristine base, followed by one commit per patch of the series "
@@ -557,10 +577,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--copy", action="store_true", help="copy overlay files instead of linking"
     )
-    p.set_defaults(func=cmd_materialize)
 
-    p = sub.add_parser(
+    p = command(
         "develop",
+        cmd_develop,
         help="editable install of the working tree into this environment",
         description="Materialise DIR if needed, re-link the overlay and "
         "'pip install -e' it (no deps, no build isolation) into the running "
@@ -568,22 +588,18 @@ def build_parser() -> argparse.ArgumentParser:
         "upstream files in DIR take effect without reinstalling.",
     )
     tree_arg(p)
-    p.set_defaults(func=cmd_develop)
 
-    p = sub.add_parser(
+    p = command(
         "refresh",
+        cmd_refresh,
         help="fold edits in the working tree into a patch and rewrite patch files",
         description="Commit the uncommitted edits to upstream files in DIR into "
         "the commit of PATCH (default: the last patch of the series), then "
         "regenerate every patch file from its commit, keeping its header.",
+        default_dir=DEFAULT_TREE,
     )
     p.add_argument("patch", nargs="?", metavar="PATCH", help="patch file name")
-    p.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="working tree (default: .fork/tree, with -VERSION on another base)",
-    )
+    dir_option(p)
     p.add_argument(
         "--variant",
         action="store_true",
@@ -593,14 +609,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-m", "--message", action="append", help="with --variant: why it differs"
     )
-    p.set_defaults(func=cmd_refresh, default_dir=DEFAULT_TREE)
 
-    p = sub.add_parser(
+    p = command(
         "new",
+        cmd_new,
         help="turn the working tree's edits into a new patch at the end of the series",
         description="Commit the uncommitted edits to upstream files in DIR as a "
         "new patch NAME (appended to patches/series) with the given subject and "
         "body paragraphs.",
+        default_dir=DEFAULT_TREE,
     )
     p.add_argument("name", metavar="NAME", help="patch file name, e.g. fix-x.patch")
     p.add_argument("-s", "--subject", required=True, help="one-line subject")
@@ -613,16 +630,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-m", "--message", action="append", help="body paragraph (repeatable)"
     )
-    p.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="working tree (default: .fork/tree, with -VERSION on another base)",
-    )
-    p.set_defaults(func=cmd_new, default_dir=DEFAULT_TREE)
+    dir_option(p)
 
-    p = sub.add_parser(
+    p = command(
         "port",
+        cmd_port,
         help="apply the series to a base entry by entry, making variants where needed",
         description="Build DIR (a git repo from the selected base's wheel) one "
         "entry at a time. At a patch that does not apply, apply what does, "
@@ -641,10 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "-m", "--message", action="append", help="why it differs (repeatable)"
     )
-    p.set_defaults(func=cmd_port)
 
-    p = sub.add_parser(
+    p = command(
         "check",
+        cmd_check,
         help="verify the series applies, is refreshed, and the stack mapping is sound",
         description="Apply every patch to a pristine upstream tree in a temporary "
         "directory; fail (exit 1, naming the patch) if one does not apply or if "
@@ -654,10 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
         "stack applies to upstream's git tree (tools/upstream-v*-tree.txt): every "
         "patched file has upstream's blob as pre-image, no created file exists.",
     )
-    p.set_defaults(func=cmd_check)
 
-    p = sub.add_parser(
+    p = command(
         "export",
+        cmd_export,
         help="write the stack as a numbered git format-patch series",
         description="Write DIR/0000-cover-letter.patch, DIR/0001-*.patch ...: one "
         "commit per entry of patches/series (its upstream diff, the overlay files "
@@ -676,19 +688,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="'NAME <EMAIL>'",
         help="author of the commits (default: this repo's git user, else the tools')",
     )
-    p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser(
+    p = command(
         "stack",
+        cmd_stack,
         help="list the stack's commits with their sizes; fail on an oversized one",
         description="Build the stack in a temporary repository and print every "
         f"commit with its changed lines. Exit 1 when one changes more than "
         f"{st.MAX_CHANGED_LINES} lines, naming its biggest files.",
     )
-    p.set_defaults(func=cmd_stack)
 
-    p = sub.add_parser(
+    p = command(
         "stack-tree",
+        cmd_stack_tree,
         help="build the stack as a git repository (one commit per entry)",
         description="Create DIR as a git repo: upstream (the wheel plus the "
         "files of upstream's git tree the overlay restores, tag 'upstream'), then "
@@ -697,10 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tree_arg(p, fl.REPO_ROOT / ".fork" / "stack")
     p.add_argument("--force", action="store_true", help="replace an existing DIR")
-    p.set_defaults(func=cmd_stack_tree)
 
-    p = sub.add_parser(
+    p = command(
         "refresh-stack",
+        cmd_refresh_stack,
         help="rewrite the entries' overlay diffs from an edited stack-tree",
         description="Read DIR (made by 'stack-tree', its history edited with git, "
         "e.g. an early commit introducing a smaller version of a file that a "
@@ -710,10 +722,10 @@ def build_parser() -> argparse.ArgumentParser:
         "files as the patch files do and end with the repository's overlay files.",
     )
     tree_arg(p, fl.REPO_ROOT / ".fork" / "stack")
-    p.set_defaults(func=cmd_refresh_stack)
 
-    p = sub.add_parser(
+    p = command(
         "absorb",
+        cmd_absorb,
         help="fold edits of overlay files into the overlay diffs they broke",
         description="When an edit of an overlay file makes an overlay diff "
         f"(patches/NAME{fl.OVERLAY_DIFF_SUFFIX}) stop applying, rewrite the diff "
@@ -721,10 +733,10 @@ def build_parser() -> argparse.ArgumentParser:
         "file: the edit goes into that entry, earlier versions stay as they were. "
         "The file's previous version comes from this checkout's git history.",
     )
-    p.set_defaults(func=cmd_absorb)
 
-    p = sub.add_parser(
+    p = command(
         "bisect-check",
+        cmd_bisect_check,
         help="prove every commit of the stack imports and passes its own tests",
         description="Advance one tree from the wheel commit by commit; at every "
         "entry of patches/series, with the tree first on sys.path, import every "
@@ -758,7 +770,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PYTEST_ARG",
         help="extra pytest arguments (after --)",
     )
-    p.set_defaults(func=cmd_bisect_check)
     return parser
 
 

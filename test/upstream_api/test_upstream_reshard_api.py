@@ -42,26 +42,22 @@ from torchrec.distributed.test_utils.reshard_dmp_utils import (
     sparse_arch_step,
 )
 from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    FUSED,
     global_optimizer_state,
     global_weights,
     load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
     make_sharder,
     process_group,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
 )
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
-
-FUSED = "fused"
 
 
 def _plans(kind: str, world_size: int) -> List[Dict[str, TableSpec]]:
@@ -85,18 +81,17 @@ def _plans(kind: str, world_size: int) -> List[Dict[str, TableSpec]]:
 def _module_api_rank(
     rank: int, world_size: int, port: str, entry: str, kind: str
 ) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        ebc = make_ebc(3)
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad")
-        assert isinstance(sharder, EmbeddingBagCollectionSharder)
-        env = ShardingEnv(world_size, rank, pg)
-        old, new = (
-            make_plan(ebc, p, world_size, world_size, FUSED, device.type)
-            for p in _plans(kind, world_size)
+    with reshard_scenario(rank, world_size, port, num_tables=3) as scenario:
+        ebc, sharder, env, device = (
+            scenario.ebc,
+            scenario.sharder,
+            scenario.env,
+            scenario.device,
         )
-        batches = make_batches(3, rows, 3, 4, seed=1)
-        module = shard(ebc, sharder, old, env, device)
+        assert isinstance(sharder, EmbeddingBagCollectionSharder)
+        old, new = scenario.plans(_plans(kind, world_size))
+        batches = scenario.batches(3, seed=1)
+        module = scenario.shard(old)
         train_step(module, batches[0].to(device), None)
 
         volume, delta = output_sharding_plan_delta_single(
@@ -111,8 +106,7 @@ def _module_api_rank(
             for c in ebc.embedding_bag_configs()
             if c.name in changed
         ) * 4 / (1024 * 1024)
-        weights = global_weights(module, pg)
-        opt_state = global_optimizer_state(module, pg)
+        state = scenario.global_state(module)
 
         if entry == "sharder":
             result = sharder.reshard(module, delta, env, device)
@@ -121,8 +115,7 @@ def _module_api_rank(
             assert isinstance(module, ShardedEmbeddingBagCollection)
             assert module.update_shards(delta, env, device) is None
 
-        reference = shard(ebc, sharder, new, env, device)
-        load_global_state(reference, weights, opt_state)
+        reference = scenario.reference(new, state)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
         assert_optimizer_states_equal(reference, module)
         assert module.module_sharding_plan == reference.module_sharding_plan

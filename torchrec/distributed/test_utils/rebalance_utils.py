@@ -26,7 +26,7 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
-from torchrec.distributed.test_utils.reshard_utils import make_plan
+from torchrec.distributed.test_utils.reshard_utils import make_plan, numbered_tables
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ShardingEnv,
@@ -48,15 +48,9 @@ def rebalance_dlrm(
 ) -> DLRMTrain:
     """A small DLRM with tables ``t<i>`` read by features ``f<i>``."""
     torch.manual_seed(seed)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=dim,
-            num_embeddings=rows,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
+    tables = numbered_tables(
+        EmbeddingBagConfig, num_tables, [dim] * num_tables, [rows] * num_tables
+    )
     return DLRMTrain(
         DLRM(
             embedding_bag_collection=EmbeddingBagCollection(tables, device=device),

@@ -13,14 +13,14 @@ ones (plans, global state gathered with collectives, comparisons) are in
 ``reshard_utils`` and work on a ShardedEmbeddingCollection as they are.
 """
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from torchrec.distributed.embedding import (
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
-from torchrec.distributed.test_utils.reshard_utils import OPTIMIZERS
+from torchrec.distributed.test_utils.reshard_utils import fused_params, numbered_tables
 from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
@@ -45,16 +45,9 @@ def make_ec(
         EmbeddingCollection: on CPU, with deterministic weights.
     """
     rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = [
-        EmbeddingConfig(
-            name=f"t{i}",
-            embedding_dim=dim,
-            num_embeddings=rows[i],
-            feature_names=[f"f{i}"],
-            data_type=data_type,
-        )
-        for i in range(num_tables)
-    ]
+    tables = numbered_tables(
+        EmbeddingConfig, num_tables, [dim] * num_tables, rows, data_type
+    )
     torch.manual_seed(seed)
     return EmbeddingCollection(tables=tables, device=torch.device("cpu"))
 
@@ -73,11 +66,7 @@ def make_ec_sharder(
     Returns:
         EmbeddingCollectionSharder: the sharder.
     """
-    fused: Dict[str, Any] = {}
-    if optimizer is not None:
-        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
-        if optimizer != "sgd":
-            fused["eps"] = 0.01
+    fused = fused_params(optimizer)
     if output_dtensor:
         fused["output_dtensor"] = True
     return EmbeddingCollectionSharder(fused_params=fused or None)

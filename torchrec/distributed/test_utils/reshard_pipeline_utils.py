@@ -25,6 +25,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     make_plan,
+    numbered_tables,
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -56,15 +57,12 @@ def dlrm(seed: int) -> DLRMTrain:
     """A DLRMTrain of DLRM_TABLES tables, its dense layers seeded with ``seed``."""
     torch.manual_seed(seed)
     ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DLRM_DIM,
-                num_embeddings=DLRM_ROWS,
-                feature_names=[f"f{i}"],
-            )
-            for i in range(DLRM_TABLES)
-        ],
+        tables=numbered_tables(
+            EmbeddingBagConfig,
+            DLRM_TABLES,
+            [DLRM_DIM] * DLRM_TABLES,
+            [DLRM_ROWS] * DLRM_TABLES,
+        ),
         device=torch.device("cpu"),
     )
     return DLRMTrain(

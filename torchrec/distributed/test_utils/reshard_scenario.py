@@ -35,6 +35,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     process_group,
     shard,
     TableSpec,
+    train_step,
 )
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
 from torchrec.modules.embedding_configs import DataType
@@ -102,6 +103,29 @@ class ReshardScenario:
         """The module sharded directly under ``plan``, with its weights."""
         return shard(self.ebc, self.sharder, plan, self.env, self.device)
 
+    def twins(
+        self,
+        plan: EmbeddingModuleShardingPlan,
+        batches: Sequence[KeyedJaggedTensor] = (),
+    ) -> Tuple[nn.Module, nn.Module]:
+        """
+        Two modules sharded directly under ``plan``, the one a test reshards
+        and its reference, each trained on ``batches``.
+
+        Args:
+            plan (EmbeddingModuleShardingPlan): the plan of both.
+            batches (Sequence[KeyedJaggedTensor]): the steps both train on.
+
+        Returns:
+            Tuple[nn.Module, nn.Module]: the module and the reference.
+        """
+        module = self.shard(plan)
+        reference = self.shard(plan)
+        for batch in batches:
+            train_step(module, batch)
+            train_step(reference, batch)
+        return module, reference
+
     def global_state(
         self, module: nn.Module
     ) -> Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor]]:
@@ -118,6 +142,22 @@ class ReshardScenario:
         reference = self.shard(plan)
         load_global_state(reference, *state)
         return reference
+
+
+# Four tables under plan A, then plan B: a table-wise table moves rank, a
+# column-wise one becomes table-wise, a row-wise one column-wise, one stays.
+MIXED_PLAN_A: Dict[str, TableSpec] = {
+    "t0": ("table_wise", 0),
+    "t1": ("column_wise", [0, 1]),
+    "t2": ("row_wise", None),
+    "t3": ("table_wise", 0),
+}
+MIXED_PLAN_B: Dict[str, TableSpec] = {
+    "t0": ("table_wise", 1),
+    "t1": ("table_wise", 0),
+    "t2": ("column_wise", [1, 0]),
+    "t3": ("table_wise", 0),
+}
 
 
 @contextlib.contextmanager

@@ -25,6 +25,8 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
+    Type,
+    TypeVar,
 )
 
 import torch
@@ -62,7 +64,11 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import (
+    BaseEmbeddingConfig,
+    DataType,
+    EmbeddingBagConfig,
+)
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -74,12 +80,48 @@ TableSpec = Tuple[str, Any]
 
 FUSED: str = EmbeddingComputeKernel.FUSED.value
 DENSE: str = EmbeddingComputeKernel.DENSE.value
+UVM: str = EmbeddingComputeKernel.FUSED_UVM.value
+CACHING: str = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 OPTIMIZERS: Dict[str, EmbOptimType] = {
     "sgd": EmbOptimType.EXACT_SGD,
     "adagrad": EmbOptimType.EXACT_ADAGRAD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
 }
+
+ConfigT = TypeVar("ConfigT", bound=BaseEmbeddingConfig)
+
+
+def numbered_tables(
+    config: Type[ConfigT],
+    num_tables: int,
+    dims: Sequence[int],
+    rows: Sequence[int],
+    data_type: DataType = DataType.FP32,
+) -> List[ConfigT]:
+    """
+    The configs of tables "t0".."tN", table ``ti`` read by feature "fi".
+
+    Args:
+        config (Type[ConfigT]): EmbeddingBagConfig or EmbeddingConfig.
+        num_tables (int): number of tables.
+        dims (Sequence[int]): embedding dim per table (at least ``num_tables``).
+        rows (Sequence[int]): rows per table (at least ``num_tables``).
+        data_type (DataType): every table's data type.
+
+    Returns:
+        List[ConfigT]: one config per table.
+    """
+    return [
+        config(
+            name=f"t{i}",
+            embedding_dim=dims[i],
+            num_embeddings=rows[i],
+            feature_names=[f"f{i}"],
+            data_type=data_type,
+        )
+        for i in range(num_tables)
+    ]
 
 
 def make_ebc(
@@ -102,16 +144,7 @@ def make_ebc(
     """
     dims = dims or [16] * num_tables
     rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=dims[i],
-            num_embeddings=rows[i],
-            feature_names=[f"f{i}"],
-            data_type=data_type,
-        )
-        for i in range(num_tables)
-    ]
+    tables = numbered_tables(EmbeddingBagConfig, num_tables, dims, rows, data_type)
     torch.manual_seed(seed)
     return EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
 
@@ -207,6 +240,25 @@ def delta(
     return {name: ps for name, ps in new.items() if old[name] != ps}
 
 
+def fused_params(optimizer: Optional[str]) -> Dict[str, Any]:
+    """
+    The fused params of the tests' sharders.
+
+    Args:
+        optimizer (Optional[str]): fused optimizer name (see OPTIMIZERS), or None.
+
+    Returns:
+        Dict[str, Any]: the optimizer, learning rate 0.05 and (but for SGD) eps
+        0.01; empty without an optimizer.
+    """
+    fused: Dict[str, Any] = {}
+    if optimizer is not None:
+        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
+        if optimizer != "sgd":
+            fused["eps"] = 0.01
+    return fused
+
+
 def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
     """
     Args:
@@ -215,12 +267,7 @@ def make_sharder(optimizer: Optional[str]) -> EmbeddingBagCollectionSharder:
     Returns:
         EmbeddingBagCollectionSharder: the sharder.
     """
-    fused: Dict[str, Any] = {}
-    if optimizer is not None:
-        fused = {"optimizer": OPTIMIZERS[optimizer], "learning_rate": 0.05}
-        if optimizer != "sgd":
-            fused["eps"] = 0.01
-    return EmbeddingBagCollectionSharder(fused_params=fused or None)
+    return EmbeddingBagCollectionSharder(fused_params=fused_params(optimizer) or None)
 
 
 def shard(
@@ -477,6 +524,44 @@ def assert_same_training(
     assert_optimizer_states_equal(m1, m2)
 
 
+def reshard_with_reference(
+    unsharded: EmbeddingBagCollection,
+    sharder: EmbeddingBagCollectionSharder,
+    module: ShardedEmbeddingBagCollection,
+    old: EmbeddingModuleShardingPlan,
+    new: EmbeddingModuleShardingPlan,
+    env: ShardingEnv,
+    device: torch.device,
+    pg: dist.ProcessGroup,
+) -> ShardedEmbeddingBagCollection:
+    """
+    One step of a chain of reshards through the sharder's seed API: gathers
+    ``module``'s global state, reshards it from ``old`` to ``new`` in place,
+    and builds the oracle, a module sharded directly under ``new`` and loaded
+    with the state gathered before.
+
+    Args:
+        unsharded (EmbeddingBagCollection): the unsharded module (an EC too).
+        sharder (EmbeddingBagCollectionSharder): its sharder.
+        module (ShardedEmbeddingBagCollection): the sharded module, under ``old``.
+        old (EmbeddingModuleShardingPlan): its plan.
+        new (EmbeddingModuleShardingPlan): the plan it is resharded to.
+        env (ShardingEnv): the sharding environment.
+        device (torch.device): this rank's device.
+        pg (dist.ProcessGroup): the group the state is gathered over.
+
+    Returns:
+        ShardedEmbeddingBagCollection: the reference.
+    """
+    weights = global_weights(module, pg)
+    opt_state = global_optimizer_state(module, pg)
+    result = sharder.reshard(module, delta(old, new), env, device)
+    assert result is module
+    reference = shard(unsharded, sharder, new, env, device)
+    load_global_state(reference, weights, opt_state)
+    return reference
+
+
 def assert_reshard_matches_direct(
     rank: int,
     world_size: int,
@@ -542,13 +627,7 @@ def assert_reshard_matches_direct(
         # row-wise optimizer state of joined columns is averaged, so a chain
         # that joins and splits columns again is not expected to round-trip.
         for old, new in zip(module_plans, module_plans[1:]):
-            weights = global_weights(m2, pg)
-            opt_state = global_optimizer_state(m2, pg)
-            result = sharder.reshard(m2, delta(old, new), env, device)
-            assert result is m2
-
-            m1 = shard(ebc, sharder, new, env, device)
-            load_global_state(m1, weights, opt_state)
+            m1 = reshard_with_reference(ebc, sharder, m2, old, new, env, device, pg)
             assert_state_dicts_equal(m1.state_dict(), m2.state_dict())
             assert_optimizer_states_equal(m1, m2)
             assert m1.module_sharding_plan == m2.module_sharding_plan
@@ -561,6 +640,19 @@ def assert_reshard_matches_direct(
 
 class ReshardTestBase(MultiRankTestBase):
     """The base of the multi-process resharding tests (see MultiRankTestBase)."""
+
+    def run_matches_direct(self, world_size: int, **kwargs: Any) -> None:
+        """
+        :func:`assert_reshard_matches_direct` on ``world_size`` ranks.
+
+        Args:
+            world_size (int): the number of ranks.
+            **kwargs (Any): its arguments but the rank's own.
+
+        Returns:
+            None
+        """
+        self.run_ranks(assert_reshard_matches_direct, world_size, **kwargs)
 
 
 def multi_process_settings(max_examples: int) -> Callable[[Any], Any]:

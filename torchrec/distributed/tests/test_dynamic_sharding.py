@@ -27,7 +27,6 @@ import torch
 from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_reshard_matches_direct,
     multi_process_settings,
     ReshardTestBase,
 )
@@ -42,13 +41,6 @@ def _ranks_strategy(world_size: int, count: int) -> st.SearchStrategy[List[int]]
 
 
 class DynamicShardingTest(ReshardTestBase):
-    def _run(self, world_size: int, **kwargs: Any) -> None:
-        self.run_ranks(
-            assert_reshard_matches_direct,
-            world_size,
-            **kwargs,
-        )
-
     # pyre-ignore[56]
     @multi_process_settings(max_examples=6)
     @given(
@@ -67,7 +59,7 @@ class DynamicShardingTest(ReshardTestBase):
             {f"t{i}": ("table_wise", r) for i, r in enumerate(ranks)}
             for ranks in (old, new)
         ]
-        self._run(
+        self.run_matches_direct(
             world_size, plans=plans, data_type=data_type, kernel=kernel, steps_before=0
         )
 
@@ -77,20 +69,20 @@ class DynamicShardingTest(ReshardTestBase):
             {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("table_wise", 0)},
         ]
         for optimizer in ("sgd", "adagrad", "rowwise_adagrad"):
-            self._run(2, plans=plans, optimizer=optimizer, steps_before=3)
+            self.run_matches_direct(2, plans=plans, optimizer=optimizer, steps_before=3)
 
     def test_dynamic_sharding_ebc_tw_chain_back_to_original(self) -> None:
         a = {"t0": ("table_wise", 0), "t1": ("table_wise", 1), "t2": ("table_wise", 0)}
         b = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("table_wise", 1)}
         c = {"t0": ("table_wise", 1), "t1": ("table_wise", 1), "t2": ("table_wise", 1)}
-        self._run(2, plans=[a, b, c, a], steps_before=2)
+        self.run_matches_direct(2, plans=[a, b, c, a], steps_before=2)
 
     def test_dynamic_sharding_ebc_tw_bf16_and_empty_delta(self) -> None:
         a = {"t0": ("table_wise", 0), "t1": ("table_wise", 1)}
         b = {"t0": ("table_wise", 1), "t1": ("table_wise", 0)}
         # fbgemm's CPU kernels have no BF16 forward: compare the moved state only.
         on_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-        self._run(
+        self.run_matches_direct(
             2,
             plans=[a, a, b, b],
             data_type=DataType.BF16,

@@ -147,11 +147,7 @@ def _run_bad_input_cases(rank: int, world_size: int, port: str, kernel: str) -> 
         plan_rw_reversed = scenario.plan({"t1": ("custom", reversed_rw)})
         batches = scenario.batches(3, seed=3)
 
-        module = scenario.shard(plan_a)
-        reference = scenario.shard(plan_a)
-        for batch in batches[:1]:
-            train_step(module, batch)
-            train_step(reference, batch)
+        module, reference = scenario.twins(plan_a, batches[:1])
 
         for name, case in _bad_deltas(plan_a, plan_b, plan_rw_reversed, rank).items():
             message = ""

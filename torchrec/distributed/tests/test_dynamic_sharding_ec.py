@@ -48,13 +48,10 @@ from torchrec.distributed.test_utils.reshard_ec_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
-    delta,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
     make_batches,
     make_plan,
     process_group,
+    reshard_with_reference,
     shard,
     TableSpec,
 )
@@ -122,13 +119,9 @@ def _run_ec_reshard_case(
             ec_train_step(m2, batch.to(device), before)
 
         for old, new in zip(module_plans, module_plans[1:]):
-            weights = global_weights(m2, pg)
-            opt_state = global_optimizer_state(m2, pg)
-            result = sharder.reshard(m2, delta(old, new), env, device)
-            assert result is m2
-
-            m1 = shard(ec, sharder, new, env, device)  # pyre-ignore[6]
-            load_global_state(m1, weights, opt_state)
+            m1 = reshard_with_reference(
+                ec, sharder, m2, old, new, env, device, pg  # pyre-ignore[6]
+            )
             if output_dtensor:
                 _assert_dtensor_state(m1, new)
                 _assert_dtensor_state(m2, new)

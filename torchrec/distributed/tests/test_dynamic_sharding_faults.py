@@ -34,7 +34,11 @@ from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.resharding.slots import LocalSlot, read_piece
 from torchrec.distributed.resharding.wire import ExchangeGroup
-from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
+from torchrec.distributed.test_utils.reshard_scenario import (
+    MIXED_PLAN_A,
+    MIXED_PLAN_B,
+    reshard_scenario,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -44,20 +48,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     train_step,
 )
 
-# t3 stays put in the rebuilt table-wise group: on CPU its new kernel shares
-# the old kernel's storage, which an aborted reshard must leave intact.
-PLAN_A = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-    "t3": ("table_wise", 0),
-}
-PLAN_B = {
-    "t0": ("table_wise", 1),
-    "t1": ("table_wise", 0),
-    "t2": ("column_wise", [1, 0]),
-    "t3": ("table_wise", 0),
-}
 EXCHANGE_TIMEOUT = timedelta(seconds=5)
 
 
@@ -80,15 +70,14 @@ def _run_fault_case(rank: int, world_size: int, port: str, fault: str) -> None:
     with reshard_scenario(rank, world_size, port, 4, timeout_s=90) as scenario:
         pg, device, env = scenario.pg, scenario.device, scenario.env
         sharder = scenario.sharder
-        plan_a = scenario.plan(PLAN_A)
-        plan_b = scenario.plan(PLAN_B)
+        # t3 stays put in the rebuilt table-wise group: on CPU its new kernel
+        # shares the old kernel's storage, which an aborted reshard must leave
+        # intact.
+        plan_a = scenario.plan(MIXED_PLAN_A)
+        plan_b = scenario.plan(MIXED_PLAN_B)
         batches = scenario.batches(4, seed=5)
 
-        module = scenario.shard(plan_a)
-        reference = scenario.shard(plan_a)
-        for batch in batches[:2]:
-            train_step(module, batch)
-            train_step(reference, batch)
+        module, reference = scenario.twins(plan_a, batches[:2])
 
         faulty = _faulty_read_piece(fault) if rank == 1 else read_piece
         outcome = "no error"
@@ -141,8 +130,8 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
     keyed by a group's id)."""
     with reshard_scenario(rank, world_size, port, 4) as scenario:
         pg, device, env = scenario.pg, scenario.device, scenario.env
-        plan_a = scenario.plan(PLAN_A)
-        plan_b = scenario.plan(PLAN_B)
+        plan_a = scenario.plan(MIXED_PLAN_A)
+        plan_b = scenario.plan(MIXED_PLAN_B)
         module = scenario.shard(plan_a)
         registry = _registry()
         opened: List[str] = []

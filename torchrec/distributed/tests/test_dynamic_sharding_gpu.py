@@ -45,7 +45,6 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import (
     ExchangeGroups,
     reshard_module,
@@ -72,21 +71,24 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     sharded_model,
     train_model,
 )
-from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
+from torchrec.distributed.test_utils.reshard_scenario import (
+    MIXED_PLAN_A,
+    MIXED_PLAN_B,
+    reshard_scenario,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    CACHING,
     delta,
+    FUSED,
     global_weights,
     make_plan,
     ReshardTestBase,
     train_step,
+    UVM,
 )
 from torchrec.distributed.types import ShardingPlan
-
-FUSED = EmbeddingComputeKernel.FUSED.value
-UVM = EmbeddingComputeKernel.FUSED_UVM.value
-CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 ONE_GPU = unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
 TWO_GPUS = unittest.skipUnless(
@@ -95,18 +97,6 @@ TWO_GPUS = unittest.skipUnless(
 )
 
 # 4 tables: t3 stays put while the others move between the two ranks
-PLAN_A = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-    "t3": ("table_wise", 0),
-}
-PLAN_B = {
-    "t0": ("table_wise", 1),
-    "t1": ("table_wise", 0),
-    "t2": ("column_wise", [1, 0]),
-    "t3": ("table_wise", 0),
-}
 EXCHANGE_TIMEOUT = timedelta(seconds=10)
 
 
@@ -116,7 +106,9 @@ def _kernels(plan: Dict[str, Any], kernel: str) -> Dict[str, Any]:
     return plan
 
 
-def _assert_weights_close(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+def _assert_weights_close(
+    a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]
+) -> None:
     """Equal up to the rounding of two kernel kinds' arithmetic; a stale row
     (a whole optimizer step behind) is far outside it."""
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
@@ -130,7 +122,9 @@ class OneGpuTest(unittest.TestCase):
         specs = {"t0": ("table_wise", 0), "t1": ("table_wise", 0)}
         rows = [2048, 2048]
         with reshard_scenario(0, 1, free_port(), num_tables=2, rows=rows) as s:
-            cached, hbm = _kernels(s.plan(specs), CACHING), _kernels(s.plan(specs), FUSED)
+            cached, hbm = _kernels(s.plan(specs), CACHING), _kernels(
+                s.plan(specs), FUSED
+            )
             uvm = _kernels(s.plan(specs), UVM)
             module, twin = s.shard(cached), s.shard(hbm)
             for batch in s.batches(4, seed=3):
@@ -138,7 +132,9 @@ class OneGpuTest(unittest.TestCase):
                 train_step(twin, batch.to(s.device))
             # nothing read (and flushed) the cache since the last step
             reshard_module(module, delta(cached, uvm), s.env)
-            _assert_weights_close(global_weights(module, s.pg), global_weights(twin, s.pg))
+            _assert_weights_close(
+                global_weights(module, s.pg), global_weights(twin, s.pg)
+            )
 
             # the same through unshard, from a whole model
             model, _ = self._model(s.env, CACHING)
@@ -263,9 +259,11 @@ def _raise(*args: Any, **kwargs: Any) -> None:
 def _run_abort(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
         assert s.device.type == "cuda", s.device
-        a, b = s.plan(PLAN_A), s.plan(PLAN_B)
+        a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
         groups = ExchangeGroups()
-        options = ReshardOptions(exchange_timeout=EXCHANGE_TIMEOUT, exchange_groups=groups)
+        options = ReshardOptions(
+            exchange_timeout=EXCHANGE_TIMEOUT, exchange_groups=groups
+        )
         module, reference = s.shard(a), s.shard(a)
         reshard_module(module, delta(a, b), s.env, s.device, options)
         reshard_module(reference, delta(a, b), s.env, s.device)
@@ -296,7 +294,7 @@ def _run_abort(rank: int, world_size: int, port: str) -> None:
 
 def _run_kept_communicator(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
-        a, b = s.plan(PLAN_A), s.plan(PLAN_B)
+        a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
         groups = ExchangeGroups()
         options = ReshardOptions(exchange_groups=groups)
         module = s.shard(a)

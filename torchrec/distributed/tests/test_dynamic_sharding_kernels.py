@@ -25,12 +25,7 @@ from unittest import mock
 
 import torch
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding import (
-    reshard_module,
-    ReshardError,
-    unshard_model,
-)
+from torchrec.distributed.resharding import reshard_module, ReshardError, unshard_model
 from torchrec.distributed.resharding.elastic_plan import check_movable_kernels
 from torchrec.distributed.resharding.kernel_state import batched_kernels, shard_weight
 from torchrec.distributed.resharding.plan import Rect
@@ -44,14 +39,16 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    CACHING,
     delta,
+    FUSED,
     global_weights,
+    UVM,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-FUSED = EmbeddingComputeKernel.FUSED.value
-UVM = EmbeddingComputeKernel.FUSED_UVM.value
-CACHING = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
+# two tables, both table-wise on the one rank
+BOTH_ON_RANK_0: Dict[str, Any] = {"t0": ("table_wise", 0), "t1": ("table_wise", 0)}
 
 
 def _with_kernels(plan: Dict[str, Any], kernels: Dict[str, str]) -> Dict[str, Any]:
@@ -125,19 +122,15 @@ class EveryKernelTest(unittest.TestCase):
             reference = s.reference(new, state)
             assert_state_dicts_equal(module.state_dict(), reference.state_dict())
             assert_optimizer_states_equal(module, reference)
-            self.assertEqual(module.module_sharding_plan, reference.module_sharding_plan)
+            self.assertEqual(
+                module.module_sharding_plan, reference.module_sharding_plan
+            )
             assert_same_training(module, reference, batches[1:], FUSED, s.device)
 
     def test_every_kernel_read_is_flushed_first(self) -> None:
         with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
-            old = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": CACHING, "t1": UVM},
-            )
-            new = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": FUSED, "t1": CACHING},
-            )
+            old = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": CACHING, "t1": UVM})
+            new = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": FUSED, "t1": CACHING})
             module = s.shard(old)
             kernels = [b for lookup in module._lookups for b in batched_kernels(lookup)]
             spy = _KernelCalls(kernels)
@@ -158,21 +151,13 @@ class EveryKernelTest(unittest.TestCase):
             assert unsharded is not None
             spy.assert_flushed_before_read(len(kernels))
             for key, value in unsharded.modules["ebc"].state_dict().items():
-                torch.testing.assert_close(
-                    value, weights[f"ebc.{key}"], rtol=0, atol=0
-                )
+                torch.testing.assert_close(value, weights[f"ebc.{key}"], rtol=0, atol=0)
 
     def test_new_kernels_start_with_an_empty_cache(self) -> None:
         purged: List[Any] = []
         with reshard_scenario(0, 1, free_port(), num_tables=2) as s:
-            old = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": UVM, "t1": UVM},
-            )
-            new = _with_kernels(
-                s.plan({"t0": ("table_wise", 0), "t1": ("table_wise", 0)}),
-                {"t0": CACHING, "t1": UVM},
-            )
+            old = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": UVM, "t1": UVM})
+            new = _with_kernels(s.plan(BOTH_ON_RANK_0), {"t0": CACHING, "t1": UVM})
             module = s.shard(old)
             with mock.patch.object(
                 BatchedFusedEmbeddingBag,
@@ -219,6 +204,7 @@ class RefusalTest(unittest.TestCase):
             shard_weight(int8_rows, rect, "t")
         with self.assertRaisesRegex(ReshardError, "key-value"):
             shard_weight([weight], rect, "t")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -82,6 +82,38 @@ def _reshard_and_compare(
     return report
 
 
+def _assert_kept_and_released(
+    module: torch.nn.Module,
+    before: Dict[str, Dict[str, int]],
+    stays: List[str],
+    report: TransactionReport,
+    departed: int,
+    releases: bool,
+) -> None:
+    """
+    After a reshard: the tables that stay kept their storage, and the rank
+    released the pages of the table that left it, or none.
+
+    Args:
+        module (torch.nn.Module): the resharded module.
+        before (Dict[str, Dict[str, int]]): its storage addresses before.
+        stays (List[str]): the tables kept in place on this rank.
+        report (TransactionReport): the reshard's report.
+        departed (int): the bytes of the table that left.
+        releases (bool): whether that table left this rank.
+
+    Returns:
+        None
+    """
+    after = _addresses(module)
+    for table in stays:
+        assert after[table] == before[table], (table, before, after)
+    if releases:
+        assert report.bytes_released >= departed - 2 * mmap.PAGESIZE, report
+    else:
+        assert report.bytes_released == 0, report
+
+
 def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> None:
     """
     t0, t1 on rank 0 and t2, t3 on rank 1; t1 moves to rank 1 and back. The
@@ -111,27 +143,16 @@ def _run_kept_in_place(rank: int, world_size: int, port: str, kernel: str) -> No
         stays = ["t0"] if rank == 0 else ["t2", "t3"]
         assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
         assert report.bytes_copied_locally == 0, report
-        after = _addresses(module)
-        for table in stays:
-            assert after[table] == before[table], (table, before, after)
-        if rank == 0:
-            assert report.bytes_released >= departed - 2 * mmap.PAGESIZE, report
-        else:
-            assert report.bytes_released == 0, report
+        _assert_kept_and_released(module, before, stays, report, departed, rank == 0)
+        if rank != 0:
             assert _kernel_count(module) == 2  # the kept kernel + t1's
 
         before = _addresses(module)
         report = _reshard_and_compare(scenario, module, plans[1], plans[2], batches[2])
         assert sorted(report.tables_kept_in_place.get("", [])) == stays, report
-        after = _addresses(module)
-        for table in stays:
-            assert after[table] == before[table], (table, before, after)
         # t1 leaves rank 1 with its whole kernel: its pages are released at
         # once, not when Python's cycle collector gets to the old kernel.
-        if rank == 1:
-            assert report.bytes_released >= departed - 2 * mmap.PAGESIZE, report
-        else:
-            assert report.bytes_released == 0, report
+        _assert_kept_and_released(module, before, stays, report, departed, rank == 1)
         assert _kernel_count(module) == (2 if rank == 0 else 1)
 
 

@@ -241,8 +241,7 @@ def _run_pending_backward(rank: int, world_size: int, port: str) -> None:
         plan_a = scenario.plan(specs)
         plan_b = scenario.plan({**specs, "t0": ("table_wise", 1)})
         batches = scenario.batches(3, seed=4)
-        module = scenario.shard(plan_a)
-        reference = scenario.shard(plan_a)
+        module, reference = scenario.twins(plan_a)
 
         out = module(batches[0]).wait().values()
         try:
@@ -276,10 +275,7 @@ def _run_missing_rank(rank: int, world_size: int, port: str, busy: bool) -> None
         plan_a = scenario.plan(specs)
         plan_b = scenario.plan({**specs, "t0": ("table_wise", 1)})
         batches = scenario.batches(4, seed=6)
-        module = scenario.shard(plan_a)
-        reference = scenario.shard(plan_a)
-        train_step(module, batches[0])
-        train_step(reference, batches[0])
+        module, reference = scenario.twins(plan_a, batches[:1])
         options = ReshardOptions(exchange_timeout=EXCHANGE_TIMEOUT)
 
         wait = EXCHANGE_TIMEOUT.total_seconds() * 1.5

@@ -22,7 +22,6 @@ import hypothesis.strategies as st
 from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_reshard_matches_direct,
     make_batches,
     make_ebc,
     make_plan,
@@ -156,13 +155,6 @@ def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
 
 
 class DynamicShardingTypesTest(ReshardTestBase):
-    def _run(self, world_size: int, **kwargs: Any) -> None:
-        self.run_ranks(
-            assert_reshard_matches_direct,
-            world_size,
-            **kwargs,
-        )
-
     # pyre-ignore[56]
     @multi_process_settings(max_examples=6)
     @given(
@@ -176,7 +168,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
         data_type: DataType,
         optimizer: Optional[str],
     ) -> None:
-        self._run(
+        self.run_matches_direct(
             2,
             plans=plans,
             data_type=data_type,
@@ -194,7 +186,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
     def test_reshard_any_type_to_any_type_ws4_local2(
         self, plans: List[Dict[str, TableSpec]], data_type: DataType
     ) -> None:
-        self._run(
+        self.run_matches_direct(
             4,
             plans=plans,
             data_type=data_type,
@@ -223,8 +215,10 @@ class DynamicShardingTypesTest(ReshardTestBase):
             "t5": ("table_column_wise", [0, 1]),
             "t6": ("grid_shard", [0]),
         }
-        self._run(2, plans=[a, b, a], optimizer="rowwise_adagrad", dims=[DIM] * 7)
-        self._run(2, plans=[a, b], optimizer="adagrad", dims=[DIM] * 7)
+        self.run_matches_direct(
+            2, plans=[a, b, a], optimizer="rowwise_adagrad", dims=[DIM] * 7
+        )
+        self.run_matches_direct(2, plans=[a, b], optimizer="adagrad", dims=[DIM] * 7)
 
     def test_reshard_all_type_pairs(self) -> None:
         # Table i has type (i + k) % 7 under plan P_k. The chain
@@ -247,7 +241,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
             return {f"t{i}": per_type[SHARDING_TYPES[(i + k) % 7]] for i in range(7)}
 
         for output_dtensor in (False, True):
-            self._run(
+            self.run_matches_direct(
                 2,
                 plans=[plan(k) for k in (0, 1, 3, 6, 3, 1, 0)],
                 optimizer="rowwise_adagrad",
@@ -276,7 +270,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
             "t4": ("grid_shard", [1]),
             "t5": ("row_wise", None),
         }
-        self._run(
+        self.run_matches_direct(
             4,
             plans=[a, b],
             optimizer="rowwise_adagrad",
@@ -287,14 +281,16 @@ class DynamicShardingTypesTest(ReshardTestBase):
     def test_reshard_unequal_column_widths(self) -> None:
         a = {"t0": ("custom", ("column_wise", [(0, 0, 24, 4, 0), (0, 4, 24, 12, 1)]))}
         b = {"t0": ("custom", ("column_wise", [(0, 0, 24, 12, 1), (0, 12, 24, 4, 0)]))}
-        self._run(2, plans=[a, b, a], optimizer="rowwise_adagrad", dims=[DIM])
+        self.run_matches_direct(
+            2, plans=[a, b, a], optimizer="rowwise_adagrad", dims=[DIM]
+        )
 
     def test_reshard_arbitrary_row_splits(self) -> None:
         # TorchRec's row-wise input dist buckets ids in equal blocks, so only
         # the state can be compared for arbitrary row splits like these.
         a = {"t0": ("custom", ("row_wise", [(0, 0, 20, 16, 0), (20, 0, 4, 16, 1)]))}
         b = {"t0": ("custom", ("row_wise", [(0, 0, 5, 16, 0), (5, 0, 19, 16, 1)]))}
-        self._run(
+        self.run_matches_direct(
             2,
             plans=[a, b],
             optimizer="rowwise_adagrad",
@@ -314,7 +310,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
             "t1": ("table_wise", 1),
             "t2": ("table_wise", 0),
         }
-        self._run(
+        self.run_matches_direct(
             2, plans=[a, b], output_dtensor=True, optimizer="adagrad", dims=[DIM] * 3
         )
 

@@ -68,30 +68,51 @@ def _shard(unsharded: nn.Module, sharder: Any, kernel: str) -> nn.Module:
     )
 
 
-def _ebc(kernel: str) -> nn.Module:
-    ebc = EmbeddingBagCollection(
+def _sharded(
+    collection: Callable[..., nn.Module],
+    config: Callable[..., Any],
+    sharder: Callable[..., Any],
+    kernel: str,
+) -> nn.Module:
+    """
+    Two 8 x 4 tables ``t0``, ``t1`` (features ``f0``, ``f1``), table-wise on
+    the one rank with ``kernel``.
+
+    Args:
+        collection (Callable[..., nn.Module]): EmbeddingBagCollection or
+            EmbeddingCollection.
+        config (Callable[..., Any]): its table config class.
+        sharder (Callable[..., Any]): its sharder class.
+        kernel (str): the compute kernel.
+
+    Returns:
+        nn.Module: the sharded module.
+    """
+    unsharded = collection(
         tables=[
-            EmbeddingBagConfig(
+            config(
                 name=f"t{i}", embedding_dim=4, num_embeddings=8, feature_names=[f"f{i}"]
             )
             for i in range(2)
         ],
         device=torch.device("cpu"),
     )
-    return _shard(ebc, EmbeddingBagCollectionSharder(fused_params=FUSED_PARAMS), kernel)
+    return _shard(unsharded, sharder(fused_params=FUSED_PARAMS), kernel)
+
+
+def _ebc(kernel: str) -> nn.Module:
+    return _sharded(
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingBagCollectionSharder,
+        kernel,
+    )
 
 
 def _ec(kernel: str) -> nn.Module:
-    ec = EmbeddingCollection(
-        tables=[
-            EmbeddingConfig(
-                name=f"t{i}", embedding_dim=4, num_embeddings=8, feature_names=[f"f{i}"]
-            )
-            for i in range(2)
-        ],
-        device=torch.device("cpu"),
+    return _sharded(
+        EmbeddingCollection, EmbeddingConfig, EmbeddingCollectionSharder, kernel
     )
-    return _shard(ec, EmbeddingCollectionSharder(fused_params=FUSED_PARAMS), kernel)
 
 
 def _loss(output: Any) -> torch.Tensor:

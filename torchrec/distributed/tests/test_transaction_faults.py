@@ -182,11 +182,7 @@ def _run_reshard(rank: int, world_size: int, port: str) -> None:
         plan_a = scenario.plan(PLAN_A)
         plan_b = scenario.plan(PLAN_B)
         batches = scenario.batches(3, seed=3)
-        module = scenario.shard(plan_a)
-        reference = scenario.shard(plan_a)
-        for batch in batches[:2]:
-            train_step(module, batch)
-            train_step(reference, batch)
+        module, reference = scenario.twins(plan_a, batches[:2])
         for phase, expect in _each_fault(ModuleReshard, rank, pg):
             with expect:
                 reshard_module(module, delta(plan_a, plan_b), env, device, OPTIONS)
@@ -236,15 +232,45 @@ def _move(
     )
 
 
+def _assert_faults_keep_model(
+    kind: Type[Participant],
+    rank: int,
+    pg: dist.ProcessGroup,
+    model: nn.Module,
+    optimizer: Any,
+    attempt: Callable[[], Any],
+) -> Any:
+    """
+    Runs ``attempt`` under each fault of :func:`_each_fault`; after every one
+    the model's global state (weights, fused and dense optimizer state) is the
+    one before.
+
+    Args:
+        kind (Type[Participant]): the transaction ``attempt`` runs.
+        rank (int): this rank.
+        pg (dist.ProcessGroup): the process group.
+        model (nn.Module): the model.
+        optimizer (Any): its dense optimizer.
+        attempt (Callable[[], Any]): one try of the transaction.
+
+    Returns:
+        Any: the model's global state before (``global_model_state``).
+    """
+    before = global_model_state(model, optimizer, pg)
+    for _, expect in _each_fault(kind, rank, pg):
+        with expect:
+            attempt()
+        _assert_same_model_state(before, global_model_state(model, optimizer, pg))
+    return before
+
+
 def _run_move(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
         model, optimizer = _trained_model(env, device, rank)
-        before = global_model_state(model, optimizer, pg)
-        for phase, expect in _each_fault(ModelMove, rank, pg):
-            with expect:
-                _move(model, optimizer, env)
-            _assert_same_model_state(before, global_model_state(model, optimizer, pg))
+        before = _assert_faults_keep_model(
+            ModelMove, rank, pg, model, optimizer, lambda: _move(model, optimizer, env)
+        )
         moved = _move(model, optimizer, env)
         assert moved.model is not None
         _assert_same_model_state(
@@ -304,11 +330,16 @@ def _run_unshard(rank: int, world_size: int, port: str) -> None:
     with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
         env = ShardingEnv.from_process_group(pg)
         model, optimizer = _trained_model(env, device, rank)
-        before = global_model_state(model, optimizer, pg)
-        for phase, expect in _each_fault(Unshard, rank, pg):
-            with expect:
-                unshard_model(model, dst=0, optimizer_state=True, options=MODEL_OPTIONS)
-            _assert_same_model_state(before, global_model_state(model, optimizer, pg))
+        before = _assert_faults_keep_model(
+            Unshard,
+            rank,
+            pg,
+            model,
+            optimizer,
+            lambda: unshard_model(
+                model, dst=0, optimizer_state=True, options=MODEL_OPTIONS
+            ),
+        )
         unsharded = unshard_model(model, dst=0, options=MODEL_OPTIONS)
         assert (unsharded is not None) == (rank == 0)
         if unsharded is not None:

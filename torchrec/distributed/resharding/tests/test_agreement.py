@@ -22,7 +22,7 @@ import itertools
 import time
 import unittest
 from datetime import timedelta
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.agreement import (
     agree_among_ranks,
@@ -292,49 +292,51 @@ class AgreementTest(unittest.TestCase):
         # No participant's facts stay behind after a decision was read.
         self.assertLess(counts[5] - counts[0], SIZE // 2, counts)
 
-    def test_nobody_returns_before_everyone_read_the_decision(self) -> None:
-        slow_reader = 30
-        delay_s = 1.5
-        read_at: List[float] = []
+    def agree_with_one_slow_call(
+        self, method: str, key_suffix: str
+    ) -> Tuple[Dict[int, Outcome], float]:
+        """
+        Every participant agrees; participant 30's one store call ``method``
+        on a key ending in ``key_suffix`` is 1.5 s late.
 
-        def slow_get(method: str, keys: Sequence[str]) -> float:
-            if method == "get" and keys[0].endswith("/decision"):
-                read_at.append(time.perf_counter() + delay_s)
+        Args:
+            method (str): the store method delayed.
+            key_suffix (str): the end of the key it is delayed on.
+
+        Returns:
+            Tuple[Dict[int, Outcome], float]: the outcomes (agreed on the
+            union), and when the late call returned.
+        """
+        slow = 30
+        delay_s = 1.5
+        done_at: List[float] = []
+
+        def slow_call(called: str, keys: Sequence[str]) -> float:
+            if called == method and keys[0].endswith(key_suffix):
+                done_at.append(time.perf_counter() + delay_s)
                 return delay_s
             return 0.0
 
         stores = list(self.clients)
-        stores[slow_reader] = CountingStore(
-            self.clients[slow_reader], StoreTraffic(), delay=slow_get
+        stores[slow] = CountingStore(
+            self.clients[slow], StoreTraffic(), delay=slow_call
         )
         outcomes = self.agree(self.participants(), GENEROUS, stores=stores)
         self.assert_agreed(outcomes, expected_union())
-        self.assertEqual(len(read_at), 1)
+        self.assertEqual(len(done_at), 1)
+        return outcomes, done_at[0]
+
+    def test_nobody_returns_before_everyone_read_the_decision(self) -> None:
+        outcomes, read_at = self.agree_with_one_slow_call("get", "/decision")
         for index, outcome in outcomes.items():
-            self.assertGreaterEqual(outcome.finished, read_at[0], index)
+            self.assertGreaterEqual(outcome.finished, read_at, index)
 
     def test_the_coordinator_returns_after_the_others_are_done(self) -> None:
         # The coordinator hosts the job's store whenever it takes part: it must
         # not return (and let its process exit) while another participant
         # still waits on the store.
-        slow_leaver = 30
-        delay_s = 1.5
-        left_at: List[float] = []
-
-        def slow_add(method: str, keys: Sequence[str]) -> float:
-            if method == "add" and keys[0].endswith("/left"):
-                left_at.append(time.perf_counter() + delay_s)
-                return delay_s
-            return 0.0
-
-        stores = list(self.clients)
-        stores[slow_leaver] = CountingStore(
-            self.clients[slow_leaver], StoreTraffic(), delay=slow_add
-        )
-        outcomes = self.agree(self.participants(), GENEROUS, stores=stores)
-        self.assert_agreed(outcomes, expected_union())
-        self.assertEqual(len(left_at), 1)
-        self.assertGreaterEqual(outcomes[0].finished, left_at[0])
+        outcomes, left_at = self.agree_with_one_slow_call("add", "/left")
+        self.assertGreaterEqual(outcomes[0].finished, left_at)
 
     def test_round_trips_do_not_grow_with_participants(self) -> None:
         def traffic(size: int) -> List[StoreTraffic]:

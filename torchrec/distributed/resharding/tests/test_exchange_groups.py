@@ -20,7 +20,7 @@ synchronised before the exchange touches kernel memory and before the commit.
 import contextlib
 import unittest
 from datetime import timedelta
-from typing import Any, List, Tuple
+from typing import Any, Iterator, List, Tuple
 from unittest import mock
 
 import torch
@@ -43,29 +43,39 @@ from torchrec.distributed.test_utils.transaction_doubles import (
 )
 
 
+@contextlib.contextmanager
+def _recording_groups(calls: List[str]) -> Iterator[None]:
+    """
+    A one-rank process group, the runner's exchange groups a double that
+    records what the transaction does with them.
+
+    Args:
+        calls (List[str]): where the double records.
+
+    Returns:
+        Iterator[None]: while both last.
+    """
+    with single_rank_process_group():
+        with mock.patch(
+            "torchrec.distributed.resharding.runner.ExchangeGroups",
+            return_value=RecordingGroups(calls),
+        ):
+            yield
+
+
 class FailureSemanticsTest(unittest.TestCase):
     def test_a_success_shuts_the_transactions_group_down(self) -> None:
         calls: List[str] = []
-        groups = RecordingGroups(calls)
-        with single_rank_process_group():
-            with mock.patch(
-                "torchrec.distributed.resharding.runner.ExchangeGroups",
-                return_value=groups,
-            ):
-                report = run_transaction(CopyParticipant(calls))
+        with _recording_groups(calls):
+            report = run_transaction(CopyParticipant(calls))
         self.assertEqual(calls, ["build", "connect", "slots", "commit", "shutdown"])
         self.assertGreater(report.connect_seconds, 0.0)
 
     def test_a_failure_aborts_the_group_and_never_shuts_it_down(self) -> None:
         calls: List[str] = []
-        groups = RecordingGroups(calls)
-        with single_rank_process_group():
-            with mock.patch(
-                "torchrec.distributed.resharding.runner.ExchangeGroups",
-                return_value=groups,
-            ):
-                with self.assertRaisesRegex(ReshardAbortedError, "injected"):
-                    run_transaction(CopyParticipant(calls, fail=True))
+        with _recording_groups(calls):
+            with self.assertRaisesRegex(ReshardAbortedError, "injected"):
+                run_transaction(CopyParticipant(calls, fail=True))
         self.assertEqual(
             calls, ["build", "connect", "slots", "abort", "participant abort"]
         )
@@ -188,7 +198,9 @@ class CoalescingTest(unittest.TestCase):
 def _cuda_memory_of_a_machine_without_cuda() -> Any:
     """torch.cuda's memory figures, for a participant on a GPU this host lacks."""
     stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch("torch.cuda.mem_get_info", return_value=(2**40, 2**40)))
+    stack.enter_context(
+        mock.patch("torch.cuda.mem_get_info", return_value=(2**40, 2**40))
+    )
     stack.enter_context(mock.patch("torch.cuda.memory_allocated", return_value=0))
     stack.enter_context(mock.patch("torch.cuda.max_memory_allocated", return_value=0))
     return stack
@@ -220,13 +232,18 @@ class DeviceTest(unittest.TestCase):
         calls: List[str] = []
         groups = RecordingGroups(calls)
         options = ReshardOptions(exchange_groups=groups)
-        with single_rank_process_group(), mock.patch(
-            "torch.cuda.current_device", return_value=1
-        ), mock.patch(
-            "torchrec.distributed.resharding.runner.synchronize_device",
-            side_effect=lambda d: calls.append(f"synchronize {d}"),
-        ), _cuda_memory_of_a_machine_without_cuda():
-            run_transaction(CopyParticipant(calls, device=torch.device("cuda")), options)
+        with (
+            single_rank_process_group(),
+            mock.patch("torch.cuda.current_device", return_value=1),
+            mock.patch(
+                "torchrec.distributed.resharding.runner.synchronize_device",
+                side_effect=lambda d: calls.append(f"synchronize {d}"),
+            ),
+            _cuda_memory_of_a_machine_without_cuda(),
+        ):
+            run_transaction(
+                CopyParticipant(calls, device=torch.device("cuda")), options
+            )
             groups.close()
         self.assertEqual(
             calls,

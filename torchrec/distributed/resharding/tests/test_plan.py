@@ -18,7 +18,7 @@ test_exchange.py.
 
 import itertools
 import unittest
-from typing import List, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import hypothesis.strategies as st
 import torch
@@ -130,9 +130,9 @@ class PlanChecks(unittest.TestCase):
             expected_receives = [
                 t for t in transfers if t.dst_rank == rank and t.src_rank != rank
             ]
-            self.assertCountEqual(receives, expected_receives)
-            src_ranks = [t.src_rank for t in receives]
-            self.assertEqual(src_ranks, sorted(src_ranks))
+            src_ranks = self.check_by_peer(
+                receives, expected_receives, lambda t: t.src_rank
+            )
             for src in set(src_ranks):
                 # Within one source rank: plan order.
                 self.assertEqual(
@@ -140,13 +140,33 @@ class PlanChecks(unittest.TestCase):
                     [t for t in expected_receives if t.src_rank == src],
                 )
 
-            sends = plan.sends(rank)
             expected_sends = [
                 t for t in transfers if t.src_rank == rank and t.dst_rank != rank
             ]
-            self.assertCountEqual(sends, expected_sends)
-            dst_ranks = [t.dst_rank for t in sends]
-            self.assertEqual(dst_ranks, sorted(dst_ranks))
+            self.check_by_peer(plan.sends(rank), expected_sends, lambda t: t.dst_rank)
+
+    def check_by_peer(
+        self,
+        got: Sequence[Transfer],
+        expected: Sequence[Transfer],
+        peer: Callable[[Transfer], int],
+    ) -> List[int]:
+        """
+        Checks one rank's receives (or sends): the expected transfers, in
+        the order of their peer ranks.
+
+        Args:
+            got (Sequence[Transfer]): what the plan lists.
+            expected (Sequence[Transfer]): the transfers it must list.
+            peer (Callable[[Transfer], int]): a transfer's peer rank.
+
+        Returns:
+            List[int]: the peer rank of each transfer, in the plan's order.
+        """
+        self.assertCountEqual(got, expected)
+        peers = [peer(t) for t in got]
+        self.assertEqual(peers, sorted(peers))
+        return peers
 
 
 class RectTest(unittest.TestCase):

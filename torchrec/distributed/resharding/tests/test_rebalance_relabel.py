@@ -36,6 +36,7 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.reshard_utils import numbered_tables
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,
@@ -50,15 +51,9 @@ PATH = "ebc"
 
 def _ebc(num_tables: int) -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DIM,
-                num_embeddings=ROWS,
-                feature_names=[f"f{i}"],
-            )
-            for i in range(num_tables)
-        ],
+        tables=numbered_tables(
+            EmbeddingBagConfig, num_tables, [DIM] * num_tables, [ROWS] * num_tables
+        ),
         device=torch.device("meta"),
     )
 

@@ -52,6 +52,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.reshard_utils import numbered_tables
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -200,15 +201,7 @@ class SearchTest(unittest.TestCase):
 
 def _ebc(n: int) -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DIM,
-                num_embeddings=ROWS,
-                feature_names=[f"f{i}"],
-            )
-            for i in range(n)
-        ],
+        tables=numbered_tables(EmbeddingBagConfig, n, [DIM] * n, [ROWS] * n),
         device=torch.device("meta"),
     )
 
