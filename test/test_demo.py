@@ -67,8 +67,11 @@ def test_demo_four_ranks_is_exact() -> None:
 
 def test_demo_rebalance_is_exact() -> None:
     """--rebalance: the load shift is only in the batches; the Rebalancer
-    measures it, reshards, and the run equals the same plans applied by hand."""
-    proc = run_demo(*small(steps_before=4, steps_after=6), "--rebalance")
+    measures it, reshards, and the run equals the same plans applied by hand.
+    It gets 12 windows after the shift: on tiny tables and shared cores a
+    window's measured kernel times are noisy, so one window may not show the
+    gain (with 3 windows, some runs on a loaded machine saw no reshard)."""
+    proc = run_demo(*small(steps_before=4, steps_after=24), "--rebalance")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "RESHARD (" in proc.stdout, out
