@@ -47,17 +47,17 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     FUSED,
     global_optimizer_state,
     global_weights,
     load_global_state,
     make_sharder,
-    process_group,
     ReshardTestBase,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
+from torchrec.distributed.types import EmbeddingModuleShardingPlan
 
 
 def _plans(kind: str, world_size: int) -> List[Dict[str, TableSpec]]:
@@ -144,8 +144,8 @@ def _dmp_specs(kind: str) -> List[Dict[str, Dict[str, TableSpec]]]:
 def _dmp_api_rank(
     rank: int, world_size: int, port: str, kind: str, by_fqn: bool
 ) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         sharders = [make_sharder("rowwise_adagrad"), make_ec_sharder("rowwise_adagrad")]
         unsharded = sparse_arch()
         old, new = (

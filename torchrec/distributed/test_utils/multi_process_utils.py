@@ -8,9 +8,9 @@
 # pyre-strict
 
 """
-Helpers for tests of sharded modules: a process group whose collectives time
-out (so that no test hangs forever), a one-rank process group inside the test
-process, a multi-process test base whose ranks get the test's master port, a
+Helpers for tests of sharded modules: TorchRec's ``MultiProcessContext`` with
+collectives that time out (so that no test hangs forever), a one-rank process
+group inside the test process, a multi-process test base whose ranks get the test's master port, a
 sharded module's full weights gathered from every rank with plain
 collectives (independent of the code under test), and one kernel's worth of
 whole tables as TorchRec groups them (to build batched kernels in one
@@ -49,21 +49,21 @@ from torchrec.distributed.embedding_types import (
     GroupedEmbeddingConfig,
     ShardedEmbeddingTable,
 )
-from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
+from torchrec.distributed.test_utils.multi_process import (
+    MultiProcessContext,
+    MultiProcessTestBase,
+)
+from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import DataType, PoolingType
 
 
-@contextlib.contextmanager
-def process_group(
-    rank: int,
-    world_size: int,
-    port: str,
-    local_size: Optional[int] = None,
-    timeout_s: float = 120.0,
-) -> Iterator[Tuple[dist.ProcessGroup, torch.device]]:
+class BoundedMultiProcessContext(MultiProcessContext):
     """
-    A process group with a timeout, so that no test can hang forever. NCCL
-    when there are enough GPUs, gloo on CPU otherwise.
+    TorchRec's :class:`MultiProcessContext` whose collectives time out, so that
+    no test can hang forever, and whose NCCL group connects at once, bound to
+    the rank's GPU. NCCL when there are enough GPUs, gloo on CPU otherwise; one
+    intra-op thread per rank. Inside the context, ``pg`` is the world's group,
+    ``env`` its ShardingEnv and ``device`` the rank's device.
 
     Args:
         rank (int): this rank.
@@ -71,32 +71,43 @@ def process_group(
         port (str): master port.
         local_size (Optional[int]): ranks per host (for TWRW and grid).
         timeout_s (float): timeout of every collective.
-
-    Returns:
-        Iterator[Tuple[dist.ProcessGroup, torch.device]]: the group and device.
     """
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "localhost"
-    os.environ["MASTER_PORT"] = port
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_size or world_size)
-    os.environ["LOCAL_RANK"] = str(rank % (local_size or world_size))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
-    backend = "nccl" if use_cuda else "gloo"
-    device = torch.device(f"cuda:{rank}") if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-        # NCCL connects at once, bound to the rank's GPU
-        device_id=device if use_cuda else None,
-    )
-    try:
-        yield dist.group.WORLD, device
-    finally:
-        dist.destroy_process_group()
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        port: str,
+        local_size: Optional[int] = None,
+        timeout_s: float = 120.0,
+    ) -> None:
+        torch.set_num_threads(1)
+        os.environ["MASTER_ADDR"] = "localhost"
+        os.environ["MASTER_PORT"] = port
+        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+        super().__init__(
+            rank,
+            world_size,
+            backend="nccl" if use_cuda else "gloo",
+            local_size=local_size,
+            use_deterministic_algorithms=False,
+        )
+        self.timeout = timedelta(seconds=timeout_s)
+
+    def __enter__(self) -> "BoundedMultiProcessContext":
+        local_size = self.local_size or self.world_size
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_size)
+        os.environ["LOCAL_RANK"] = str(self.rank % local_size)
+        dist.init_process_group(
+            self.backend,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=self.timeout,
+            device_id=self.device if self.device.type == "cuda" else None,
+        )
+        self.pg = dist.group.WORLD
+        self.env: ShardingEnv = ShardingEnv.from_process_group(self.pg)
+        return self
 
 
 def free_port() -> str:

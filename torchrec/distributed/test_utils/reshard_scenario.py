@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.test_utils.reshard_utils import (
+    BoundedMultiProcessContext,
     FUSED,
     global_optimizer_state,
     global_weights,
@@ -32,7 +33,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     shard,
     TableSpec,
     train_step,
@@ -196,7 +196,10 @@ def reshard_scenario(
     Returns:
         Iterator[ReshardScenario]: the set-up, while the process group lives.
     """
-    with process_group(rank, world_size, port, timeout_s=timeout_s) as (pg, device):
+    with BoundedMultiProcessContext(
+        rank, world_size, port, timeout_s=timeout_s
+    ) as context:
+        pg, device = context.pg, context.device
         yield ReshardScenario(
             pg=pg,
             device=device,

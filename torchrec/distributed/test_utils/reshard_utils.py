@@ -53,10 +53,10 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (  # noqa: F401
+    BoundedMultiProcessContext,
     global_weights,
     local_pieces,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
@@ -606,7 +606,8 @@ def assert_reshard_matches_direct(
     Returns:
         None
     """
-    with process_group(rank, world_size, port, local_size) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port, local_size) as context:
+        pg, device = context.pg, context.device
         num_tables = len(plans[0])
         ebc = make_ebc(num_tables, data_type, dims=dims)
         rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]

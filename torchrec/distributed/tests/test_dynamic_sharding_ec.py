@@ -48,9 +48,9 @@ from torchrec.distributed.test_utils.reshard_ec_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     make_batches,
     make_plan,
-    process_group,
     reshard_with_reference,
     shard,
     TableSpec,
@@ -96,7 +96,8 @@ def _run_ec_reshard_case(
     state dicts through the environment ("env") or the fused params
     ("fused_param"); every sharded table's state is then checked to be one.
     """
-    with process_group(rank, world_size, port) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, device = context.pg, context.device
         num_tables = len(plans[0])
         ec = make_ec(num_tables, data_type, dim=DIM)
         rows = [c.num_embeddings for c in ec.embedding_configs()]
@@ -162,7 +163,8 @@ def _assert_dtensor_state(module: torch.nn.Module, plan: Dict[str, Any]) -> None
 
 
 def _run_ec_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, device = context.pg, context.device
         ec = make_ec(3, dim=DIM)
         sharder = make_ec_sharder("rowwise_adagrad")
         env = ShardingEnv.from_process_group(pg)

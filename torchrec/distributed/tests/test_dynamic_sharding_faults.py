@@ -44,7 +44,6 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
     delta,
     ReshardTestBase,
-    shard,
     train_step,
 )
 

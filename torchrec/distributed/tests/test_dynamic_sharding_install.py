@@ -39,6 +39,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     delta,
     global_optimizer_state,
     global_weights,
@@ -47,13 +48,11 @@ from torchrec.distributed.test_utils.reshard_utils import (
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
     TableSpec,
     train_step,
 )
-from torchrec.distributed.types import ShardingEnv
 
 FUSED: str = EmbeddingComputeKernel.FUSED.value
 DENSE: str = EmbeddingComputeKernel.DENSE.value
@@ -72,8 +71,8 @@ PLAN_B: Dict[str, TableSpec] = {
 
 
 def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         ebc = make_ebc(len(PLAN_A))
         rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
         sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)

@@ -34,16 +34,15 @@ from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     global_optimizer_state,
     global_weights,
     load_global_state,
     make_sharder,
     multi_process_settings,
-    process_group,
     ReshardTestBase,
     TableSpec,
 )
-from torchrec.distributed.types import ShardingEnv
 
 
 def _run_model_reshard(
@@ -55,8 +54,8 @@ def _run_model_reshard(
     steps_after: int,
     optimizer: str,
 ) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         sharders = [make_sharder(optimizer), make_ec_sharder(optimizer)]
         unsharded = sparse_arch()
         plans = [sparse_arch_plan(unsharded, specs, world_size) for specs in plan_specs]

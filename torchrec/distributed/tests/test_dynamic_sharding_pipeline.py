@@ -38,22 +38,21 @@ from torchrec.distributed.test_utils.reshard_pipeline_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     load_global_state,
-    process_group,
     ReshardTestBase,
 )
 from torchrec.distributed.train_pipeline import (
     TrainPipelineBase,
     TrainPipelineSparseDist,
 )
-from torchrec.distributed.types import ShardingEnv
 
 
 def _run_pipeline(
     rank: int, world_size: int, port: str, pipeline_type: str, detach: bool
 ) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         plans = [dlrm_plan(DLRM_PLAN_A, world_size)] + [
             dlrm_plan(m, world_size) for m in DLRM_MOVES
         ]

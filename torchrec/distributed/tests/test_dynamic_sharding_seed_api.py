@@ -32,11 +32,11 @@ from torchrec.distributed.sharding.dynamic_sharding import (
 from torchrec.distributed.test_utils.multi_process import MultiProcessTestBase
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     delta,
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     shard,
     TableSpec,
 )
@@ -154,7 +154,8 @@ def _expected_receives(
 
 
 def _run_seed_api(rank: int, world_size: int, port: str, cases: List[Case]) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, device = context.pg, context.device
         env = ShardingEnv(world_size, rank, pg)
         for case_name, plan_a, plan_b, data_type, kernel in cases:
             ebc = make_ebc(len(plan_a), data_type)

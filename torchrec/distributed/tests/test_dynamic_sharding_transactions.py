@@ -58,12 +58,12 @@ from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     delta,
     global_optimizer_state,
     global_weights,
     load_global_state,
     make_sharder,
-    process_group,
     ReshardTestBase,
     train_step,
 )
@@ -113,8 +113,8 @@ def _make_dmp(env: ShardingEnv, device: torch.device, plan: Any) -> Any:
 
 
 def _run_model_transactions(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         unsharded = sparse_arch()
         plan_a = sparse_arch_plan(unsharded, SPECS_A, world_size)
         plan_b = sparse_arch_plan(unsharded, SPECS_B, world_size)

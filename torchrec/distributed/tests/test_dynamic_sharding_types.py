@@ -22,12 +22,12 @@ import hypothesis.strategies as st
 from hypothesis import given
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.test_utils.reshard_utils import (
+    BoundedMultiProcessContext,
     make_batches,
     make_ebc,
     make_plan,
     make_sharder,
     multi_process_settings,
-    process_group,
     ReshardTestBase,
     shard,
     TableSpec,
@@ -99,7 +99,8 @@ def plan_pairs(
 
 
 def _run_untouched_groups_kept(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, device = context.pg, context.device
         ebc = make_ebc(4, dims=[DIM] * 4)
         sharder = make_sharder("rowwise_adagrad")
         env = ShardingEnv.from_process_group(pg)

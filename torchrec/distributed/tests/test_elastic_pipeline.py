@@ -36,8 +36,8 @@ from torchrec.distributed.test_utils.reshard_pipeline_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     load_global_state,
-    process_group,
     ReshardTestBase,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
@@ -64,7 +64,8 @@ def _run_dry(pipeline: Any, it: Iterator[Batch]) -> None:
 
 
 def _run_pipeline_across_move(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (world, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        world, device = context.pg, context.device
         new_group = dist.new_group(NEW_RANKS)  # every rank, in the same order
         new_env = (
             ShardingEnv.from_process_group(new_group) if rank in NEW_RANKS else None

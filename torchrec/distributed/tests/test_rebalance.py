@@ -41,11 +41,10 @@ from torchrec.distributed.test_utils.rebalance_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
-    process_group,
+    BoundedMultiProcessContext,
     ReshardTestBase,
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-from torchrec.distributed.types import ShardingEnv
 
 NUM_TABLES, ROWS, DIM, BATCH = 4, 64, 16, 64
 WINDOW, SHIFT_AT, STEPS = 3, 6, 15
@@ -60,8 +59,8 @@ def _same_everywhere(value: Any) -> None:
 
 
 def _run_shift(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        env, device = context.env, context.device
         planner = table_wise_planner(world_size, BATCH, [UNIFORM] * NUM_TABLES)
         plan_a = planned(planner, NUM_TABLES, ROWS, DIM)
         hot = set(tables_on(plan_a, 0))
@@ -131,8 +130,8 @@ def _run_shift(rank: int, world_size: int, port: str) -> None:
 
 
 def _run_stationary(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        env, device = context.env, context.device
         skewed = [HOT, COLD, HOT // 2, COLD]
         planner = table_wise_planner(world_size, BATCH, skewed)
         plan = planned(planner, NUM_TABLES, ROWS, DIM)

@@ -54,8 +54,8 @@ from torchrec.distributed.test_utils.rebalance_utils import (
 )
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     global_weights,
-    process_group,
     ReshardTestBase,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -281,7 +281,8 @@ def _aborted_reshard(job: _Job, rank: int, pg: dist.ProcessGroup) -> None:
 
 
 def _run_faults(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, device = context.pg, context.device
         job = _Job(rank, ShardingEnv.from_process_group(pg), device)
         _failed_replan(job, rank)
         _slow_replan(job, rank)

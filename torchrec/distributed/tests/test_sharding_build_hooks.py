@@ -34,14 +34,13 @@ from torchrec.distributed.embedding_types import (
 from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     make_ebc,
     make_plan,
     make_sharder,
-    process_group,
     ReshardTestBase,
     shard,
 )
-from torchrec.distributed.types import ShardingEnv
 
 # every table-wise table on rank 0; t4 column-wise, t5 row-wise (both with
 # their shards listed in rank order)
@@ -89,8 +88,8 @@ def _kernel_tables(module: nn.Module) -> List[List[str]]:
 
 
 def _run_hooks(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        env, device = context.env, context.device
         ebc = make_ebc(6, dims=[8] * 6)
         plan = make_plan(ebc, SPECS, world_size, world_size, "fused")
         sharder = make_sharder("rowwise_adagrad")

@@ -29,8 +29,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -41,7 +41,7 @@ GROUPS: Tuple[Tuple[int, ...], ...] = ((0, 1), (2, 3))
 
 
 def _broadcast_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=TIMEOUT.seconds):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
         pgs = [dist.new_group(list(ranks), timeout=TIMEOUT) for ranks in GROUPS]
         ranks = next(g for g in GROUPS if rank in g)
         pg = pgs[GROUPS.index(ranks)]

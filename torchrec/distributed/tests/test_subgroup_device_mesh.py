@@ -20,8 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import ShardingEnv
 
@@ -29,7 +29,7 @@ TIMEOUT: timedelta = timedelta(seconds=30)
 
 
 def _device_mesh_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=TIMEOUT.seconds):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
         groups = [dist.new_group([r], timeout=TIMEOUT) for r in range(world_size)]
         pg = groups[rank]
         env = ShardingEnv.from_process_group(pg)

@@ -59,9 +59,9 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     global_weights,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import (
     EnumerableShardingSpec,
@@ -344,7 +344,7 @@ def _run_subgroups(
     member of (a plan with sharded tables on ``kernel``, or the planner's plan
     if None) and joins the world-wide collectives after each phase.
     """
-    with process_group(
+    with BoundedMultiProcessContext(
         rank, world_size, port, local_size=local_size, timeout_s=TIMEOUT.seconds
     ):
         # Every rank creates every group, in the same order.

@@ -34,8 +34,8 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -46,7 +46,7 @@ TIMEOUT: timedelta = timedelta(seconds=60)
 
 
 def _node_groups_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=TIMEOUT.seconds):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
         groups = [[r] for r in range(world_size)]
         pgs = [dist.new_group(g, timeout=TIMEOUT) for g in groups]
         node_pgs = [new_intra_and_cross_node_pgs(g, timeout=TIMEOUT) for g in groups]

@@ -30,8 +30,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 from torchrec.distributed.types import ShardingEnv, ShardMetadata
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -42,7 +42,7 @@ TIMEOUT: timedelta = timedelta(seconds=60)
 
 
 def _placements_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=TIMEOUT.seconds):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
         groups = [dist.new_group([r], timeout=TIMEOUT) for r in range(world_size)]
         pg = groups[rank]
         env = ShardingEnv.from_process_group(pg)

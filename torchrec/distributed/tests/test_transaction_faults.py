@@ -56,10 +56,9 @@ from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     delta,
-    process_group,
     ReshardTestBase,
-    shard,
     train_step,
 )
 from torchrec.distributed.types import ShardingEnv
@@ -265,8 +264,8 @@ def _assert_faults_keep_model(
 
 
 def _run_move(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        pg, env, device = context.pg, context.env, context.device
         model, optimizer = _trained_model(env, device, rank)
         before = _assert_faults_keep_model(
             ModelMove, rank, pg, model, optimizer, lambda: _move(model, optimizer, env)
@@ -284,8 +283,8 @@ def _run_move_failing_make_optimizer(rank: int, world_size: int, port: str) -> N
     every byte arrived: every rank raises ReshardAbortedError, the old model is
     whole and trains on exactly as a model that was never moved.
     """
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        pg, env, device = context.pg, context.env, context.device
         model, optimizer = _trained_model(env, device, rank)
         reference, ref_optimizer = _trained_model(env, device, rank)
         before = global_model_state(model, optimizer, pg)
@@ -327,8 +326,8 @@ def _assert_same_model_state(a: Any, b: Any) -> None:
 
 
 def _run_unshard(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        pg, env, device = context.pg, context.env, context.device
         model, optimizer = _trained_model(env, device, rank)
         before = _assert_faults_keep_model(
             Unshard,
@@ -349,7 +348,8 @@ def _run_unshard(rank: int, world_size: int, port: str) -> None:
 
 
 def _run_shard_from_rank(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (pg, device):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        pg = context.pg
         env = ShardingEnv.from_process_group(pg)
         source = model_definition("cpu", seed=7) if rank == 0 else model_definition()
         weights = (

@@ -30,17 +30,16 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
+    BoundedMultiProcessContext,
     global_optimizer_state,
     global_weights,
-    process_group,
     ReshardTestBase,
 )
-from torchrec.distributed.types import ShardingEnv
 
 
 def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port) as (pg, device):
-        env = ShardingEnv.from_process_group(pg)
+    with BoundedMultiProcessContext(rank, world_size, port) as context:
+        pg, env, device = context.pg, context.env, context.device
         model = sharded_model(env, model_plan(2, 1), device)
         optimizer = make_dense_optimizer(model)
         for step in range(2):

@@ -39,8 +39,8 @@ from torchrec.distributed.resharding.wire import (
     same_kept_group,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 
 
@@ -80,7 +80,7 @@ def _talk(group: ExchangeGroup, ranks: Sequence[int], seed: int) -> None:
 
 
 def _run_groups(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (_, _):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
         before = _registry()
         # the same ranks twice, in another order, then others; each group's
         # members are the only ranks that take part in it
@@ -96,7 +96,7 @@ def _run_groups(rank: int, world_size: int, port: str) -> None:
 
 
 def _run_missing_peer(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (_, _):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
         if rank == 0:
             start = time.monotonic()
             try:
@@ -126,7 +126,7 @@ def _open_agreed(groups: ExchangeGroups, ranks: List[int]) -> ExchangeGroup:
 
 
 def _run_kept_groups(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (_, _):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
         ranks = [0, 1]
         groups = ExchangeGroups()
         first = _open_agreed(groups, ranks)
