@@ -88,28 +88,10 @@ def pooling_after(args: argparse.Namespace, plan_a: Any) -> List[float]:
 
 
 def build(args: argparse.Namespace, device: torch.device) -> Any:
-    from torchrec.models.dlrm import DLRM, DLRMTrain
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.distributed.test_utils.reshard_model_utils import equal_tables_dlrm
 
-    torch.manual_seed(0)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=args.dim,
-            num_embeddings=args.rows,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(args.tables)
-    ]
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
-            dense_in_features=DENSE_IN,
-            dense_arch_layer_sizes=[args.dim],
-            over_arch_layer_sizes=[16, 1],
-            dense_device=device,
-        )
+    return equal_tables_dlrm(
+        args.tables, args.rows, args.dim, DENSE_IN, [16, 1], device
     )
 
 

@@ -64,6 +64,7 @@ from torchrec.distributed.resharding import (
     ReshardOptions,
     TransactionReport,
 )
+from torchrec.distributed.test_utils.reshard_model_utils import equal_tables_dlrm
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
@@ -74,9 +75,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -132,24 +131,8 @@ def say(msg: str) -> None:
 
 def build_dlrm(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
     """The DLRM on ``device`` ("meta" for the planner), the same on every rank."""
-    torch.manual_seed(0)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=args.dim,
-            num_embeddings=args.rows,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(args.num_tables)
-    ]
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
-            dense_in_features=DENSE_IN,
-            dense_arch_layer_sizes=[args.dim],
-            over_arch_layer_sizes=[8, 1],
-            dense_device=device,
-        )
+    return equal_tables_dlrm(
+        args.num_tables, args.rows, args.dim, DENSE_IN, [8, 1], device
     )
 
 

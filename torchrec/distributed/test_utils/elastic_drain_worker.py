@@ -75,13 +75,15 @@ from torchrec.distributed.comm import new_intra_and_cross_node_pgs
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding import ReshardError
 from torchrec.distributed.resharding.elastic import move_model
-from torchrec.distributed.test_utils.reshard_model_utils import kernel_refs
+from torchrec.distributed.test_utils.reshard_model_utils import (
+    kernel_refs,
+    load_model_state,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     global_optimizer_state,
     global_weights,
-    load_global_state,
     make_plan,
     make_sharder,
     TableSpec,
@@ -318,12 +320,7 @@ def reference(
     )
     if warm_up:
         _warm_up(model, dist.get_rank(env.process_group))
-    weights, fused, dense_state = state
-    load_global_state(model, weights, fused)
-    optimizer = make_optimizer(model)
-    optimizer.init_state()
-    optimizer.load_state_dict(dense_state)
-    return model, optimizer
+    return load_model_state(model, state, make_optimizer)
 
 
 def assert_same_state(

@@ -17,7 +17,7 @@ on a group from it.
 """
 
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,8 @@ from torchrec.distributed.test_utils.reshard_utils import (
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import (
     EmbeddingBagCollection,
     EmbeddingCollection,
@@ -48,6 +50,32 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 WORLD = 4
 DIM = 16
 GROUPS: List[List[int]] = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2]]
+
+
+def group_envs(
+    rank: int,
+) -> Tuple[
+    Dict[Tuple[int, ...], dist.ProcessGroup],
+    Dict[Tuple[int, ...], Optional[ShardingEnv]],
+]:
+    """
+    Creates the process groups of :data:`GROUPS` (every rank creates every
+    group, in the same order) and this rank's environments on them.
+
+    Args:
+        rank (int): this rank.
+
+    Returns:
+        Tuple[Dict[Tuple[int, ...], dist.ProcessGroup], Dict[Tuple[int, ...],
+        Optional[ShardingEnv]]]: the groups, and the environment of each group
+        this rank is a member of (None for the others), by the group's ranks.
+    """
+    groups = {tuple(g): dist.new_group(g) for g in GROUPS}
+    envs = {
+        g: ShardingEnv.from_process_group(pg) if rank in g else None
+        for g, pg in groups.items()
+    }
+    return groups, envs
 
 
 class EmbeddingsModel(nn.Module):
@@ -69,6 +97,51 @@ class EmbeddingsModel(nn.Module):
             [self.dense(x).flatten()]
             + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
         )
+
+
+def equal_tables_dlrm(
+    num_tables: int,
+    rows: int,
+    dim: int,
+    dense_in: int,
+    over_arch: List[int],
+    device: torch.device,
+) -> DLRMTrain:
+    """
+    A DLRM of ``num_tables`` tables ``t{i}`` (one feature ``f{i}`` each) of the
+    same size, built from seed 0 so that every rank builds the same model: the
+    job of the demo and of the rebalance benchmark.
+
+    Args:
+        num_tables (int): number of tables.
+        rows (int): rows of each table.
+        dim (int): embedding dimension (and the dense arch's width).
+        dense_in (int): dense input features.
+        over_arch (List[int]): the over arch's layer sizes.
+        device (torch.device): the device ("meta" for the planner).
+
+    Returns:
+        DLRMTrain: the model, with its loss.
+    """
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(
+            name=f"t{i}",
+            embedding_dim=dim,
+            num_embeddings=rows,
+            feature_names=[f"f{i}"],
+        )
+        for i in range(num_tables)
+    ]
+    return DLRMTrain(
+        DLRM(
+            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
+            dense_in_features=dense_in,
+            dense_arch_layer_sizes=[dim],
+            over_arch_layer_sizes=over_arch,
+            dense_device=device,
+        )
+    )
 
 
 def on_meta(module: nn.Module) -> nn.Module:
@@ -208,10 +281,30 @@ def reference_model(
     The reference: the model sharded directly under ``plan`` and loaded with
     ``state`` (from :func:`global_model_state`), with its dense optimizer.
     """
-    model = sharded_model(env, plan, weights=False)
+    return load_model_state(
+        sharded_model(env, plan, weights=False), state, make_dense_optimizer
+    )
+
+
+def load_model_state(
+    model: nn.Module, state: Any, make_optimizer: Callable[[nn.Module], Any]
+) -> Tuple[nn.Module, Any]:
+    """
+    Loads a global state (weights, fused optimizer state, dense optimizer
+    state, as :func:`global_model_state` gathers it) into a sharded model and
+    a dense optimizer made for it.
+
+    Args:
+        model (nn.Module): the sharded model.
+        state (Any): the global state.
+        make_optimizer (Callable[[nn.Module], Any]): makes the dense optimizer.
+
+    Returns:
+        Tuple[nn.Module, Any]: the model and its optimizer.
+    """
     weights, fused, dense_state = state
     load_global_state(model, weights, fused)
-    optimizer = make_dense_optimizer(model)
+    optimizer = make_optimizer(model)
     optimizer.init_state()
     optimizer.load_state_dict(dense_state)
     return model, optimizer

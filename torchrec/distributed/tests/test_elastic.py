@@ -32,11 +32,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding import (
-    ReshardAbortedError,
-    ReshardOptions,
-    slots,
-)
+from torchrec.distributed.resharding import ReshardAbortedError, ReshardOptions, slots
 from torchrec.distributed.resharding.elastic import (
     _shards_in_rank_order,
     dry_run_move,
@@ -45,7 +41,7 @@ from torchrec.distributed.resharding.elastic import (
 from torchrec.distributed.resharding.slots import read_piece
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,
-    GROUPS,
+    group_envs,
     kernel_refs,
     make_dense_optimizer,
     model_definition,
@@ -61,7 +57,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
-    process_group,
+    BoundedMultiProcessContext,
     ReshardTestBase,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -141,12 +137,9 @@ def _table_configs(model: nn.Module) -> List[Any]:
 
 
 def _run_moves(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, local_size=2) as (world, device):
-        groups = {tuple(g): dist.new_group(g) for g in GROUPS}  # every rank, in order
-        envs = {
-            g: ShardingEnv.from_process_group(pg) if rank in g else None
-            for g, pg in groups.items()
-        }
+    with BoundedMultiProcessContext(rank, world_size, port, local_size=2) as context:
+        device = context.device
+        groups, envs = group_envs(rank)
         # (old group, new group, plan shift): shrink, disjoint, grow, 4 -> 3
         moves = [((0, 1, 2, 3), (0, 1), 1), ((0, 1), (2, 3), 0)]
         moves += [((2, 3), (0, 1, 2, 3), 2), ((0, 1, 2, 3), (0, 1, 2), 1)]

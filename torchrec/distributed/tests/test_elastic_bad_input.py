@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torchrec.distributed.resharding import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.elastic import move_model
 from torchrec.distributed.test_utils.reshard_model_utils import (
-    GROUPS,
+    group_envs,
     model_definition,
     model_plan,
     model_sharders,
@@ -32,21 +32,18 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     WORLD,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
+    BoundedMultiProcessContext,
     global_weights,
     make_plan,
-    process_group,
     ReshardTestBase,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingPlan
 
 
 def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (world, device):
-        groups = {tuple(g): dist.new_group(g) for g in GROUPS}
-        envs = {
-            g: ShardingEnv.from_process_group(pg) if rank in g else None
-            for g, pg in groups.items()
-        }
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        device = context.device
+        groups, envs = group_envs(rank)
         old, new = (0, 1, 2, 3), (0, 1)
         env = envs[old]
         assert env is not None
@@ -109,12 +106,9 @@ def _run_bad_moves(rank: int, world_size: int, port: str) -> None:
 
 
 def _run_bad_definition(rank: int, world_size: int, port: str) -> None:
-    with process_group(rank, world_size, port, timeout_s=60) as (world, device):
-        groups = {tuple(g): dist.new_group(g) for g in GROUPS}
-        envs = {
-            g: ShardingEnv.from_process_group(pg) if rank in g else None
-            for g, pg in groups.items()
-        }
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60) as context:
+        device = context.device
+        groups, envs = group_envs(rank)
         model = None
         if rank in (0, 1):
             env = envs[(0, 1)]
