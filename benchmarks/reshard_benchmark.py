@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -323,15 +324,30 @@ def timed(
     return seconds, mem, out
 
 
-def run_floor(
-    method: str,
-    args: argparse.Namespace,
-    size: int,
-    rank: int,
-    ws: int,
-    pg: Any,
-    resettable: bool,
-) -> Dict[str, Any]:
+@dataclass(frozen=True)
+class RankJob:
+    """What every measured method of one rank runs with.
+
+    Args:
+        args (argparse.Namespace): the benchmark's arguments.
+        rank (int): this rank.
+        ws (int): world size.
+        pg (Any): the process group.
+        env (Any): the ShardingEnv of ``pg``.
+        resettable (bool): the peak-memory counter can be reset.
+    """
+
+    args: argparse.Namespace
+    rank: int
+    ws: int
+    pg: Any
+    env: Any
+    resettable: bool
+
+
+def run_floor(method: str, size: int, job: RankJob) -> Dict[str, Any]:
+    """The wire floor: one all-to-all of the bytes a reshard moves."""
+    args, rank, ws, pg, resettable = job.args, job.rank, job.ws, job.pg, job.resettable
     n = size // 4
     send_splits = [0] * ws
     recv_splits = [0] * ws
@@ -377,16 +393,10 @@ def _new_local_bytes(module: Any, tables: List[str]) -> int:
     return total
 
 
-def run_fork(
-    method: str,
-    args: argparse.Namespace,
-    size: int,
-    rank: int,
-    ws: int,
-    pg: Any,
-    env: Any,
-    resettable: bool,
-) -> Dict[str, Any]:
+def run_fork(method: str, size: int, job: RankJob) -> Dict[str, Any]:
+    """Reshards with the fork, there and back, ``args.reps`` times."""
+    args, rank, ws, pg, resettable = job.args, job.rank, job.ws, job.pg, job.resettable
+    env = job.env
     from torchrec.distributed.resharding import reshard_module, ReshardOptions
 
     kernel = "dense" if method == "dense" else "fused"
@@ -452,15 +462,10 @@ def run_fork(
     }
 
 
-def run_ckpt(
-    args: argparse.Namespace,
-    size: int,
-    rank: int,
-    ws: int,
-    pg: Any,
-    env: Any,
-    resettable: bool,
-) -> Dict[str, Any]:
+def run_ckpt(size: int, job: RankJob) -> Dict[str, Any]:
+    """Reshards by checkpoint and restart (DCP save, build, load)."""
+    args, rank, ws, pg, resettable = job.args, job.rank, job.ws, job.pg, job.resettable
+    env = job.env
     import torch.distributed.checkpoint as dcp
 
     kernel = "fused"
@@ -549,15 +554,15 @@ def worker(
     from torchrec.distributed.types import ShardingEnv
 
     pg = dist.group.WORLD
-    env = ShardingEnv.from_process_group(pg)
+    job = RankJob(args, rank, ws, pg, ShardingEnv.from_process_group(pg), resettable)
     results = []
     for size, method in jobs:
         if method in ("a2a_warm", "a2a_fresh"):
-            r = run_floor(method, args, size, rank, ws, pg, resettable)
+            r = run_floor(method, size, job)
         elif method == "ckpt":
-            r = run_ckpt(args, size, rank, ws, pg, env, resettable)
+            r = run_ckpt(size, job)
         else:
-            r = run_fork(method, args, size, rank, ws, pg, env, resettable)
+            r = run_fork(method, size, job)
         r.update(size=size, method=method, rank=rank)
         results.append(r)
         progress(

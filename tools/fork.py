@@ -85,14 +85,7 @@ def require_tree(tree: Path, repo: Path) -> List[str]:
     """The tree's patch commits, checked against the series."""
     if not (tree / ".git").is_dir():
         raise fl.ForkError(f"{tree} is not materialised; run 'materialize' first")
-    commits = fl.series_commits(tree)
-    names = fl.read_series(repo)
-    if len(commits) != len(names):
-        raise fl.ForkError(
-            f"{tree} has {len(commits)} commits over upstream but patches/series "
-            f"lists {len(names)} patches; re-run 'materialize --force'"
-        )
-    return commits
+    return fl.entry_commits(tree, len(fl.read_series(repo)))
 
 
 def is_dirty(tree: Path) -> bool:
@@ -131,13 +124,27 @@ def commit_diffs(tree: Path, commits: Sequence[str]) -> List[str]:
 # --------------------------------------------------------------------------- commands
 
 
-def cmd_materialize(args: argparse.Namespace) -> int:
-    """Build the working tree."""
+def fresh_dir(args: argparse.Namespace) -> Path:
+    """
+    ``args.dir``, removed first if it exists and ``--force`` is given.
+
+    Returns:
+        Path: the directory, absolute.
+
+    Raises:
+        fl.ForkError: it exists and ``--force`` is not given.
+    """
     tree: Path = args.dir.resolve()
     if tree.exists():
         if not args.force:
             raise fl.ForkError(f"{tree} exists; pass --force to rebuild it")
         shutil.rmtree(tree)
+    return tree
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    """Build the working tree."""
+    tree = fresh_dir(args)
     commits = materialize_tree(tree, args.repo, symlink_overlay=not args.copy)
     print(f"materialised {tree}: upstream + {len(commits)} patch commit(s)")
     return 0
@@ -446,11 +453,7 @@ def cmd_stack(args: argparse.Namespace) -> int:
 
 def cmd_stack_tree(args: argparse.Namespace) -> int:
     """Build the stack as a git repository."""
-    tree: Path = args.dir.resolve()
-    if tree.exists():
-        if not args.force:
-            raise fl.ForkError(f"{tree} exists; pass --force to rebuild it")
-        shutil.rmtree(tree)
+    tree = fresh_dir(args)
     commits = st.build_stack_repo(tree, args.repo)
     print(f"built {tree}: upstream + {len(commits)} stack commit(s)")
     return 0
@@ -552,6 +555,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="working tree (default: .fork/tree, with -VERSION on another base)",
         )
 
+    def message_option(p: argparse.ArgumentParser, help: str) -> None:
+        p.add_argument("-m", "--message", action="append", help=help)
+
     def command(
         name: str,
         func: Callable[[argparse.Namespace], int],
@@ -606,9 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write PATCH as the selected base's own variant "
         "(patches/base-VERSION/PATCH) instead of changing the file it reads",
     )
-    p.add_argument(
-        "-m", "--message", action="append", help="with --variant: why it differs"
-    )
+    message_option(p, "with --variant: why it differs")
 
     p = command(
         "new",
@@ -627,9 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="VERSION",
         help="the bases the entry is on (default: every base)",
     )
-    p.add_argument(
-        "-m", "--message", action="append", help="body paragraph (repeatable)"
-    )
+    message_option(p, "body paragraph (repeatable)")
     dir_option(p)
 
     p = command(
@@ -650,9 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="commit the hand-made change of the stopped patch and go on",
     )
-    p.add_argument(
-        "-m", "--message", action="append", help="why it differs (repeatable)"
-    )
+    message_option(p, "why it differs (repeatable)")
 
     p = command(
         "check",

@@ -1533,6 +1533,31 @@ def series_commits(tree: Path) -> List[str]:
     return out.split()
 
 
+def entry_commits(tree: Path, entries: int) -> List[str]:
+    """
+    The commits on top of the ``upstream`` tag, oldest first, one per entry
+    of the series.
+
+    Args:
+        tree (Path): a materialised tree (or the stack as a git repository).
+        entries (int): how many entries the series has on this base.
+
+    Returns:
+        List[str]: the commits.
+
+    Raises:
+        ForkError: when the tree has another number of commits.
+    """
+    commits = series_commits(tree)
+    if len(commits) != entries:
+        raise ForkError(
+            f"{tree} has {len(commits)} commits over '{UPSTREAM_TAG}' but "
+            f"patches/series has {entries} entries; re-run 'materialize --force' "
+            "(or rebuild the stack)"
+        )
+    return commits
+
+
 def iter_tree_files(tree: Path) -> Iterator[Path]:
     """Files of a materialised tree (following symlinks), excluding git and
     build/cache by-products; relative paths."""

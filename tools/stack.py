@@ -281,12 +281,7 @@ def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
         fl.ForkError: when the history does not match the mapping.
     """
     stack = fl.load_stack(repo)
-    commits = fl.series_commits(tree)
-    if len(commits) != len(stack):
-        raise fl.ForkError(
-            f"{tree} has {len(commits)} commits over '{fl.UPSTREAM_TAG}' but "
-            f"patches/series has {len(stack)} entries"
-        )
+    commits = fl.entry_commits(tree, len(stack))
     overlay = {rel for entry in stack for rel in entry.files}
     earlier: List[str] = []
     pending: Dict[Path, str] = {}

@@ -43,26 +43,17 @@ BATCH_SIZE: int = 4
 # depend on fbgemm).
 FUSED_TABLES: List[EmbeddingBagConfig] = [
     EmbeddingBagConfig(
-        name="s0",
-        embedding_dim=4,
-        num_embeddings=11,
-        feature_names=["g0", "g1"],
-        pooling=PoolingType.SUM,
-    ),
-    EmbeddingBagConfig(
-        name="s1",
-        embedding_dim=4,
-        num_embeddings=5,
-        feature_names=["g2"],
-        pooling=PoolingType.SUM,
-    ),
-    EmbeddingBagConfig(
-        name="m0",
-        embedding_dim=8,
-        num_embeddings=7,
-        feature_names=["g3"],
-        pooling=PoolingType.MEAN,
-    ),
+        name=name,
+        embedding_dim=dim,
+        num_embeddings=rows,
+        feature_names=features,
+        pooling=pooling,
+    )
+    for name, dim, rows, features, pooling in (
+        ("s0", 4, 11, ["g0", "g1"], PoolingType.SUM),
+        ("s1", 4, 5, ["g2"], PoolingType.SUM),
+        ("m0", 8, 7, ["g3"], PoolingType.MEAN),
+    )
 ]
 # Learning rate per step; the change before step 2 goes through the fused
 # optimizer's param group, as an LR scheduler would set it.

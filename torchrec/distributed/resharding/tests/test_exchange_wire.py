@@ -37,8 +37,8 @@ from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import RankPlan, Rect, Transfer
 from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 from torchrec.distributed.test_utils.multi_process_utils import (
+    BoundedMultiProcessContext,
     MultiRankTestBase,
-    process_group,
 )
 
 WEIGHT32 = Field("weight", FieldKind.RECT, torch.float32)
@@ -83,14 +83,13 @@ def _transfers() -> List[Transfer]:
 
 
 def _local(tensor: torch.Tensor, f: Field, rect: Rect, shard: Rect) -> torch.Tensor:
+    """``rect``'s part of a shard's tensor, by narrowing (not the slicing of the
+    code under test)."""
+    if f.kind not in (FieldKind.RECT, FieldKind.ROWS):
+        return tensor.reshape(1)
     local = rect.relative_to(shard)
-    if f.kind == FieldKind.RECT:
-        return tensor[
-            local.row : local.row + local.rows, local.col : local.col + local.cols
-        ]
-    if f.kind == FieldKind.ROWS:
-        return tensor[local.row : local.row + local.rows]
-    return tensor.reshape(1)
+    rows = tensor.narrow(0, local.row, local.rows)
+    return rows.narrow(1, local.col, local.cols) if f.kind == FieldKind.RECT else rows
 
 
 class _ShardsIO:
@@ -140,7 +139,7 @@ def _nbytes(table: str, f: Field) -> int:
 def _run_wire(rank: int, world_size: int, port: str, with_targets: bool) -> None:
     """The exchange on the group of global ranks 3 and 1 (numbered 0 and 1
     in it, as the plan numbers them) out of 4: peers are group-local."""
-    with process_group(rank, world_size, port, timeout_s=60) as (_, _):
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
         # with targets over a group of the job, without over one of its own
         group = dist.new_group([3, 1], sort_ranks=False) if with_targets else None
         if rank in (3, 1):
