@@ -293,8 +293,8 @@ def measure_agreements(sizes: List[int], repeats: int) -> List[Dict[str, Any]]:
     here = os.path.dirname(os.path.abspath(__file__))
     if not os.path.exists(os.path.join(here, "scale_agreement.py")):
         raise SystemExit(
-            f"benchmarks/scale_agreement.py is missing: the agreement phase cannot "
-            f"run (use --agreement-sizes '' to leave it out, and say so)"
+            "benchmarks/scale_agreement.py is missing: the agreement phase cannot "
+            "run (use --agreement-sizes '' to leave it out, and say so)"
         )
     sys.path.insert(0, here)
     from scale_agreement import measure_agreement  # pyre-ignore[21]

@@ -39,7 +39,6 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import Topology
