@@ -484,7 +484,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         if hooks is None or new_model is None:
             return 0
         modules = sharded_modules(new_model.module)
-        return hooks.release(nn.ModuleList(modules.values()))
+        return hooks.release(list(modules.values()))
 
     def abort(self) -> None:
         if self._new_model is not None:

@@ -208,7 +208,7 @@ class KeptStorage(KernelBuildHooks):
 
     # ----------------------------------------------------------------- release
 
-    def release(self, module: nn.Module) -> int:
+    def release(self, modules: Sequence[nn.Module]) -> int:
         """
         Decides what happens to the old kernels' storage, once the old kernels
         are retired and nothing of the reshard references them any more: with
@@ -216,16 +216,17 @@ class KeptStorage(KernelBuildHooks):
         the pages nobody uses back to the OS.
 
         Args:
-            module (nn.Module): the sharded module, after the swap.
+            modules (Sequence[nn.Module]): the sharded embedding modules,
+                after the swap.
 
         Returns:
             int: resident bytes of tables' state given back to the OS.
         """
-        self._runs = {}  # the old kernels must not count as holders
+        self._runs = {}  # the old kernels' references would keep the storage
         if not self._reuse:
             self._retired.drop()  # copied: the old storage is simply dropped
             return 0
-        return self._retired.release(module)
+        return self._retired.release(modules)
 def _uninitialized_host_buffers(
     tbe_kwargs: Mapping[str, Any],
 ) -> Optional[Dict[str, torch.Tensor]]:

@@ -448,7 +448,7 @@ def _swap(module: _ModuleReshard) -> int:
     del old_lookups, old_kernels, groups
     module.groups = None
     module.hooks = None
-    return hooks.release(adapter.module)
+    return hooks.release([adapter.module])
 
 
 def reshard_module(

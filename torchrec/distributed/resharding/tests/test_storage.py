@@ -10,16 +10,20 @@
 """
 One-process tests of ``kept_grouping``: the batch keys that give runs of kept
 shards kernels of their own (the same on every rank, keeping the user's own
-key), the cap on kernels per group, and the keys a rebuilt group's tables get.
-(The release of pages itself is tested in test_memory.py.)
+key), the cap on kernels per group, and the keys a rebuilt group's tables get;
+and of ``retired``'s holders: they are every reference a sharded module holds
+to its kernels' storage. (The release of pages itself is tested in
+test_memory.py.)
 """
 
+import gc
 import unittest
 from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 import torch
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.kept_grouping import (
     BATCH_KEY,
     batch_keys,
@@ -30,7 +34,23 @@ from torchrec.distributed.resharding.kept_grouping import (
     user_batch_key,
     with_batch_key,
 )
-from torchrec.distributed.types import ParameterSharding
+from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.retired import (
+    _table_state,
+    _use_count,
+    module_holders,
+    tensors_per_storage,
+)
+from torchrec.distributed.test_utils.multi_process_utils import (
+    single_rank_process_group,
+)
+from torchrec.distributed.test_utils.reshard_utils import (
+    make_ebc,
+    make_plan,
+    make_sharder,
+    shard,
+)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 TW = "table_wise"
@@ -111,6 +131,62 @@ class KeyRebuiltGroupsTest(unittest.TestCase):
         self.assertEqual(keys["c"], KeptBatchKey("user", ((0, 0),)))
         self.assertIs(infos["row_wise"][0], untouched)  # not rebuilt
         self.assertEqual(infos[TW][0].fused_params["learning_rate"], 0.1)
+
+
+def _references(module: torch.nn.Module) -> Dict[int, int]:
+    """
+    Storage address -> references to it (its use count), for the storage of
+    every table's state in the module's kernels.
+    """
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage()
+        for lookup in module._lookups
+        for batched in batched_kernels(lookup)
+        for t in _table_state(batched.emb_module)
+    }
+    gc.collect()  # garbage is nobody's reference
+    # (less this function's own storage object)
+    return {ptr: _use_count(storage) - 1 for ptr, storage in storages.items()}
+
+
+class ModuleHoldersTest(unittest.TestCase):
+    """
+    ``module_holders`` are all the references a sharded module holds to its
+    kernels' storage, and nothing a caller holds: for a module nobody else
+    references, each storage's use count is exactly its holders' count.
+    """
+
+    def _assert_holders_are_the_references(self, kernel: str) -> None:
+        with single_rank_process_group() as pg:
+            ebc = make_ebc(3, dims=[8, 8, 16])
+            specs = {name: ("table_wise", 0) for name in ("t0", "t1", "t2")}
+            plan = make_plan(ebc, specs, 1, 1, kernel)
+            sharder = make_sharder("rowwise_adagrad")
+            env = ShardingEnv.from_process_group(pg)
+            module = shard(ebc, sharder, plan, env, torch.device("cpu"))
+            del ebc
+
+            references = _references(module)
+            self.assertTrue(references)
+            held = tensors_per_storage(module_holders(module))
+            self.assertEqual(held, references)
+
+            # what a caller takes (its parameters, a view of a state-dict
+            # tensor) is not the module's: the holders stay as they were
+            params = dict(module.named_parameters())
+            local = module.state_dict()["embedding_bags.t1.weight"].local_shards()[0]
+            view = local.tensor.view(-1)
+            after = _references(module)
+            self.assertEqual(tensors_per_storage(module_holders(module)), held)
+            ptr = view.untyped_storage().data_ptr()
+            self.assertGreater(after[ptr], held[ptr])
+            del params, local, view
+
+    def test_holders_of_a_fused_module(self) -> None:
+        self._assert_holders_are_the_references(EmbeddingComputeKernel.FUSED.value)
+
+    def test_holders_of_a_dense_module(self) -> None:
+        self._assert_holders_are_the_references(EmbeddingComputeKernel.DENSE.value)
 
 
 if __name__ == "__main__":
