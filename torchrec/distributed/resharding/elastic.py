@@ -51,8 +51,8 @@ from torch import nn
 from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
-    check_move_agreement,
     check_movable_kernels,
+    check_move_agreement,
     dense_specs,
     MoveFacts,
     plan_layouts,
@@ -102,10 +102,7 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
     TransactionReport,
 )
-from torchrec.distributed.resharding.storage import (
-    KeptStorage,
-    storage_reuse_supported,
-)
+from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer

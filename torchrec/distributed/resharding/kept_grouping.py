@@ -30,17 +30,7 @@ runs beyond it are copied.
 """
 
 from dataclasses import dataclass, replace
-from typing import (
-    AbstractSet,
-    Any,
-    Dict,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Set,
-    Tuple,
-)
+from typing import AbstractSet, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn

@@ -31,6 +31,7 @@ from torchrec.distributed.resharding.fields import FieldKind, WEIGHT
 from torchrec.distributed.resharding.plan import Rect, ReshardError
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 
+
 def unwrap_lookup(lookup: nn.Module) -> nn.Module:
     """
     Args:

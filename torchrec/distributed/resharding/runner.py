@@ -538,9 +538,7 @@ def _count_dry_run(
     costs = {key: piece_cost(fields) for key, fields in layouts.fields.items()}
     sent, received = bytes_per_rank(layouts.old, layouts.new, costs)
     report.bytes_sent_by_rank = {g: sent.get(i, 0) for i, g in enumerate(ranks)}
-    report.bytes_received_by_rank = {
-        g: received.get(i, 0) for i, g in enumerate(ranks)
-    }
+    report.bytes_received_by_rank = {g: received.get(i, 0) for i, g in enumerate(ranks)}
 
 
 def _count_exchange(
@@ -549,9 +547,7 @@ def _count_exchange(
     """What the executor moved on this rank, and which shards kept storage."""
     for name in ExchangeStats.__dataclass_fields__:
         setattr(report, name, getattr(stats, name))
-    report.tables_kept_in_place = _by_module(
-        [key for key, _ in sorted(kept, key=str)]
-    )
+    report.tables_kept_in_place = _by_module([key for key, _ in sorted(kept, key=str)])
 
 
 def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:

@@ -19,16 +19,7 @@ are read into slots. :class:`SlotIO` is the executor's read/write interface
 
 import dataclasses
 from dataclasses import dataclass
-from typing import (
-    AbstractSet,
-    Callable,
-    Dict,
-    List,
-    Mapping,
-    Optional,
-    Sequence,
-    Tuple,
-)
+from typing import AbstractSet, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.resharding.fields import Field, FieldKind

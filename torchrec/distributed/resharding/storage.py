@@ -49,10 +49,10 @@ from torchrec.distributed.resharding.kept_grouping import (
     shard_key,
     ShardKey,
 )
-from torchrec.distributed.resharding.retired import HOST_STATES, RetiredStorage
 from torchrec.distributed.resharding.options import (  # noqa: F401 (its old home)
     StorageMode,
 )
+from torchrec.distributed.resharding.retired import HOST_STATES, RetiredStorage
 
 # Optimizers whose host state layout is known here (the CPU ones): whether
 # their momentum1 is row-wise. Others get only their weights preallocated.
@@ -61,6 +61,7 @@ _MOMENTUM1_ROWWISE: Dict[EmbOptimType, Optional[bool]] = {
     EmbOptimType.EXACT_ADAGRAD: False,
     EmbOptimType.EXACT_ROWWISE_ADAGRAD: True,
 }
+
 
 def storage_reuse_supported(device: Optional[torch.device]) -> bool:
     """
@@ -227,6 +228,8 @@ class KeptStorage(KernelBuildHooks):
             self._retired.drop()  # copied: the old storage is simply dropped
             return 0
         return self._retired.release(modules)
+
+
 def _uninitialized_host_buffers(
     tbe_kwargs: Mapping[str, Any],
 ) -> Optional[Dict[str, torch.Tensor]]:

@@ -93,12 +93,10 @@ from torchrec.distributed.resharding.runner import (
     TransactionReport,
 )
 from torchrec.distributed.resharding.slots import keyed_slots
-from torchrec.distributed.resharding.storage import (
-    KeptStorage,
-    storage_reuse_supported,
-)
+from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
+
 
 @dataclass
 class _ModuleReshard:
@@ -439,9 +437,7 @@ def _swap(module: _ModuleReshard) -> int:
     adapter = module.adapter
     old_lookups = module.old_lookups()
     old_kernels = adapter.kernels(old_lookups)
-    adapter.install(
-        groups.infos, groups.shardings, groups.lookups, module.output_order
-    )
+    adapter.install(groups.infos, groups.shardings, groups.lookups, module.output_order)
     retire_kernels(old_kernels)
     # Nothing of the reshard may hold the old groups when the storage is
     # released: whatever else still references it is somebody else's.

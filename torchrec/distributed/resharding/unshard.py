@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
-    check_move_agreement,
     check_movable_kernels,
+    check_move_agreement,
     dense_specs,
     DenseSpec,
     MoveFacts,

@@ -27,8 +27,8 @@ from typing import Dict, List, Optional
 
 import torch
 from torchrec.distributed.resharding import reshard_module
-from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kernel_state import batched_kernels
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     delta,
@@ -113,10 +113,7 @@ def _run_memory(rank: int, world_size: int, port: str) -> None:
         rows=[ROWS] * NUM_TABLES,
     ) as scenario:
         env = scenario.env
-        plans = [
-            scenario.plan(spec)
-            for spec in _random_plans(RESHARDS, world_size)
-        ]
+        plans = [scenario.plan(spec) for spec in _random_plans(RESHARDS, world_size)]
         batches = make_batches(NUM_TABLES, [ROWS] * NUM_TABLES, 4, 8, seed=1)
         module = scenario.shard(plans[0])
         for i in range(3):  # warm up the allocator and the input dists

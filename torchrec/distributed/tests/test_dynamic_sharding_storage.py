@@ -28,8 +28,8 @@ from torchrec.distributed.resharding import (
     StorageMode,
     TransactionReport,
 )
-from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.resharding.kept_grouping import MAX_KERNELS_PER_GROUP
+from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
 from torchrec.distributed.test_utils.reshard_scenario import (
     reshard_scenario,
     ReshardScenario,

@@ -124,9 +124,11 @@ class GpuTimingTest(unittest.TestCase):
             timer_type(torch.device("cpu"), "wall")
 
     def test_events_are_read_after_one_synchronisation_per_window(self) -> None:
-        with single_rank_process_group() as pg, mock.patch(
-            "torch.cuda.Event", _HostClockEvent
-        ), mock.patch("torch.cuda.synchronize") as synchronize:
+        with (
+            single_rank_process_group() as pg,
+            mock.patch("torch.cuda.Event", _HostClockEvent),
+            mock.patch("torch.cuda.synchronize") as synchronize,
+        ):
             model, optimizer, batches = _model_and_batches(pg)
             monitor = LoadMonitor.for_model(model, timing="events")
             for batch in batches:
@@ -146,7 +148,9 @@ class GpuTimingTest(unittest.TestCase):
             # the counters on a device of their own (as on a GPU), the batch's
             # lengths there too (as after the input dist)
             meta = torch.device("meta")
-            monitor = LoadMonitor([(EBC_PATH, model.module.get_submodule(EBC_PATH))], meta)
+            monitor = LoadMonitor(
+                [(EBC_PATH, model.module.get_submodule(EBC_PATH))], meta
+            )
             features = batches[0].sparse_features
             on_meta = KeyedJaggedTensor(
                 keys=features.keys(),

@@ -587,9 +587,7 @@ class LoadMonitor:
         self._reshard_seconds: float = 0.0
 
     @classmethod
-    def for_model(
-        cls, model: nn.Module, timing: Optional[str] = None
-    ) -> "LoadMonitor":
+    def for_model(cls, model: nn.Module, timing: Optional[str] = None) -> "LoadMonitor":
         """
         A monitor over every module of a ``DistributedModelParallel``'s plan.
 

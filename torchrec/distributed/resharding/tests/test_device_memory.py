@@ -66,9 +66,7 @@ class EstimateTest(unittest.TestCase):
         old = {"t": _layout(PlacedShard(0, WHOLE))}
         new = {"t": _layout(PlacedShard(1, WHOLE))}
         fields = {"t": (WEIGHT, SUM)}
-        self.assertEqual(
-            estimate_peak(old, new, fields, 1), PeakEstimate(160, 160)
-        )
+        self.assertEqual(estimate_peak(old, new, fields, 1), PeakEstimate(160, 160))
         self.assertEqual(estimate_peak(old, new, fields, 0), PeakEstimate(0, 160))
         self.assertEqual(
             estimate_peak(old, new, fields, 1, max_inflight_bytes=100),
@@ -120,12 +118,13 @@ class PreflightTest(unittest.TestCase):
         calls: List[str] = []
         groups = RecordingGroups(calls)
         free = 48 + NCCL_COMMUNICATOR_BYTES - 1  # one byte short
-        with single_rank_process_group(), mock.patch(
-            "torch.cuda.mem_get_info", return_value=(free, 2 * free)
-        ) as mem_get_info, mock.patch(
-            "torch.cuda.max_memory_allocated", return_value=0
-        ), mock.patch(
-            "torch.cuda.memory_allocated", return_value=0
+        with (
+            single_rank_process_group(),
+            mock.patch(
+                "torch.cuda.mem_get_info", return_value=(free, 2 * free)
+            ) as mem_get_info,
+            mock.patch("torch.cuda.max_memory_allocated", return_value=0),
+            mock.patch("torch.cuda.memory_allocated", return_value=0),
         ):
             participant = CopyParticipant(calls, device=CUDA0)
             with self.assertRaisesRegex(
@@ -149,22 +148,21 @@ class PreflightTest(unittest.TestCase):
 class MemoryWatchTest(unittest.TestCase):
     def test_cuda_peak_is_read_never_reset(self) -> None:
         allocated = [100, 300, 200]
-        with mock.patch(
-            "torch.cuda.max_memory_allocated", side_effect=[1000, 1000]
-        ), mock.patch(
-            "torch.cuda.memory_allocated", side_effect=allocated
-        ), mock.patch(
-            "torch.cuda.reset_peak_memory_stats"
-        ) as reset:
+        with (
+            mock.patch("torch.cuda.max_memory_allocated", side_effect=[1000, 1000]),
+            mock.patch("torch.cuda.memory_allocated", side_effect=allocated),
+            mock.patch("torch.cuda.reset_peak_memory_stats") as reset,
+        ):
             watch = MemoryWatch(CUDA0)
             watch.sample()
             watch.sample()
             # the process's earlier peak (1000) was not raised: the most the
             # transaction's phases held
             self.assertEqual(watch.peak(), 300)
-        with mock.patch(
-            "torch.cuda.max_memory_allocated", side_effect=[1000, 1600]
-        ), mock.patch("torch.cuda.memory_allocated", return_value=100):
+        with (
+            mock.patch("torch.cuda.max_memory_allocated", side_effect=[1000, 1600]),
+            mock.patch("torch.cuda.memory_allocated", return_value=100),
+        ):
             watch = MemoryWatch(CUDA0)
             self.assertEqual(watch.peak(), 1600)
         reset.assert_not_called()

@@ -38,7 +38,10 @@ from torchrec.distributed.resharding.elastic_plan import (
 )
 from torchrec.distributed.resharding.memory import pinned_staging
 from torchrec.distributed.resharding.model_view import broadcast_dense
-from torchrec.distributed.resharding.plan import ReshardError, validate_parameter_sharding
+from torchrec.distributed.resharding.plan import (
+    ReshardError,
+    validate_parameter_sharding,
+)
 from torchrec.distributed.sharding.dynamic_sharding import _new_shard_device
 from torchrec.distributed.test_utils.plan_layouts import sharding_by_hand
 from torchrec.distributed.types import ShardingPlan
@@ -74,7 +77,9 @@ class PlacementIndexTest(unittest.TestCase):
         validate_parameter_sharding("t", swapped, 10, 16, 2, "cuda")
 
     def test_a_moves_new_plan_is_checked_on_the_ranks_device(self) -> None:
-        plan = ShardingPlan({"ebc": {"t": _cw_on_gpus(["rank:0/cuda:1", "rank:1/cuda:1"])}})
+        plan = ShardingPlan(
+            {"ebc": {"t": _cw_on_gpus(["rank:0/cuda:1", "rank:1/cuda:1"])}}
+        )
         tables = {"ebc": [("t", 10, 16)]}
         validate_new_plan(plan, tables, 2, "cuda", 1, 1)
         with self.assertRaisesRegex(ReshardError, "module 'ebc': table 't'.*cuda:0"):
