@@ -37,8 +37,9 @@ On NCCL (see ``docs/gpu.md``):
   coalescing, as ``dist.batch_isend_irecv`` uses it): NCCL runs them on the
   group's one communicator, never on a communicator per pair of ranks;
 * a failure aborts the group (:meth:`ExchangeGroup.abort`): NCCL's
-  ``abort()`` ends its kernels at once, where ``shutdown()`` would wait for
-  kernels that a dead peer never completes. A success shuts a group down
+  ``abort()`` ends this rank's kernels at once, where ``shutdown()`` would
+  wait for kernels that a dead peer never completes (gloo's ``abort()`` and
+  ``shutdown()`` do nothing in torch 2.13). A success shuts a group down
   (:meth:`ExchangeGroup.close`) or keeps it. Every wait is bounded by the
   exchange timeout, and the backend's own (watchdog) timeout is
   :data:`WATCHDOG_FACTOR` times longer: a stalled exchange raises in the
@@ -169,10 +170,24 @@ class ExchangeGroup:
             return [self._p2p(m) for m in ordered]
         if not ordered:
             return []
-        self.backend._start_coalescing(self.device)
+        self._start_coalescing()
         for m in ordered:
             self._p2p(m)
-        return [self.backend._end_coalescing(self.device)]
+        return [self._end_coalescing()]
+
+    def _start_coalescing(self) -> None:
+        # A ProcessGroup (``over``) coalesces on the backend of a device type;
+        # a backend (``ProcessGroupNCCL``, ``ProcessGroupGloo``) takes no
+        # argument: ``Backend._start_coalescing(self)`` in torch 2.13 and 2.14.
+        if isinstance(self.backend, dist.ProcessGroup):
+            self.backend._start_coalescing(self.device)
+        else:
+            self.backend._start_coalescing()
+
+    def _end_coalescing(self) -> Any:
+        if isinstance(self.backend, dist.ProcessGroup):
+            return self.backend._end_coalescing(self.device)
+        return self.backend._end_coalescing()
 
     def _p2p(self, m: Message) -> Any:
         if m.send:
@@ -263,8 +278,9 @@ class ExchangeGroup:
     def close(self) -> None:
         """
         Shuts down a group made for transactions once they succeeded (NCCL
-        finishes its queued work first); leaves a group from :meth:`over`
-        alone.
+        finishes its queued work first; gloo's ``shutdown()`` does nothing in
+        torch 2.13, its connections close when the backend is dropped);
+        leaves a group from :meth:`over` alone.
 
         Returns:
             None
@@ -278,10 +294,14 @@ class ExchangeGroup:
 
     def abort(self) -> None:
         """
-        Aborts a group made for transactions after a failure: its pending
-        works end at once, here and on the peers that still wait on them
-        (NCCL's ``abort()`` ends its kernels, where ``shutdown()`` would wait
-        for kernels a dead peer never completes). Leaves a group from
+        Aborts a group made for transactions after a failure: on NCCL its
+        communicator and its pending works end here at once (``abort()``,
+        where ``shutdown()`` would wait for kernels a dead peer never
+        completes); a peer learns of it only from its own communicator's
+        error or from the transaction's abort key. Gloo's ``abort()`` does
+        nothing in torch 2.13 (``Backend::abort() {}``): peers still waiting
+        on a gloo group see an error once this rank drops the backend (its
+        connections close) or at their own timeout. Leaves a group from
         :meth:`over` (a group training uses) alone: its failed works raised.
 
         Returns:

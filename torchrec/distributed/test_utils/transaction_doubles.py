@@ -10,12 +10,13 @@
 """
 Doubles for one-process tests of the transaction runner: a participant that
 copies one table of one rank into a new slot (and records what it is asked),
-and kept exchange groups whose backends record their lifecycle calls
-(connect, abort, shutdown, set_timeout) while they exchange for real.
+and kept exchange groups whose backends record their calls (every method
+call, and the lifecycle as text: connect, abort, shutdown, set_timeout)
+while they pass each call to a real gloo backend.
 """
 
 from datetime import timedelta
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,26 +39,37 @@ WHOLE = Rect(0, 0, 4, 3)
 
 
 class RecordingBackend:
-    """A real backend whose lifecycle calls are recorded."""
+    """
+    A real backend (e.g. a ``ProcessGroupGloo``) whose method calls are
+    recorded and passed through unchanged: a call the real binding refuses
+    raises here as it would without the double. Lifecycle calls (abort,
+    shutdown, set_timeout) are also written to ``calls`` as text.
+
+    Args:
+        backend (Any): the real backend.
+        calls (List[str]): where the lifecycle calls are written.
+    """
 
     def __init__(self, backend: Any, calls: List[str]) -> None:
         self._backend = backend
         self.calls = calls
-
-    def abort(self) -> None:
-        self.calls.append("abort")
-        self._backend.abort()
-
-    def shutdown(self) -> None:
-        self.calls.append("shutdown")
-        self._backend.shutdown()
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self.calls.append(f"set_timeout {timeout.total_seconds():g}")
-        self._backend.set_timeout(timeout)
+        # (method, positional arguments, keyword arguments), in call order
+        self.log: List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
+        attribute = getattr(self._backend, name)
+        if not callable(attribute):
+            return attribute
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.log.append((name, args, kwargs))
+            if name in ("abort", "shutdown"):
+                self.calls.append(name)
+            elif name == "set_timeout":
+                self.calls.append(f"set_timeout {args[0].total_seconds():g}")
+            return attribute(*args, **kwargs)
+
+        return call
 
 
 class RecordingGroups(ExchangeGroups):

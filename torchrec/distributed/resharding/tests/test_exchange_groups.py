@@ -12,15 +12,17 @@ The exchange group as NCCL needs it, in one process (a one-rank job, whose
 group's backend records what the runner asks of it): a success shuts a
 transaction's group down, a failure aborts it and never shuts it down; kept
 groups (``ExchangeGroups``) connect once and serve the next transactions of
-the same ranks, until a failure aborts and replaces them; a coalescing
-backend gets each round as one call; the device is normalised once and
+the same ranks, until a failure aborts and replaces them; a coalesced round
+calls the backend as torch binds it (a real gloo backend, recorded and
+passed through, refuses coalescing); the device is normalised once and
 synchronised before the exchange touches kernel memory and before the commit.
 """
 
 import contextlib
+import dataclasses
 import unittest
 from datetime import timedelta
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Iterator, List
 from unittest import mock
 
 import torch
@@ -28,9 +30,11 @@ from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.runner import run_transaction
 from torchrec.distributed.resharding.wire import (
+    _pair_order,
     ExchangeGroup,
     Message,
     normalized_device,
+    open_exchange_group,
     same_kept_group,
     synchronize_device,
 )
@@ -39,6 +43,7 @@ from torchrec.distributed.test_utils.multi_process_utils import (
 )
 from torchrec.distributed.test_utils.transaction_doubles import (
     CopyParticipant,
+    RecordingBackend,
     RecordingGroups,
 )
 
@@ -135,64 +140,51 @@ class KeptGroupsTest(unittest.TestCase):
         self.assertEqual(same_kept_group(["", ""]), "")
 
 
-class _CoalescingRecorder:
-    """A backend that records its point-to-point and coalescing calls."""
-
-    def __init__(self) -> None:
-        self.calls: List[Tuple[Any, ...]] = []
-
-    def _start_coalescing(self, device: torch.device) -> None:
-        self.calls.append(("start", device))
-
-    def _end_coalescing(self, device: torch.device) -> str:
-        self.calls.append(("end", device))
-        return "one work"
-
-    def send(self, tensors: List[torch.Tensor], peer: int, tag: int) -> str:
-        self.calls.append(("send", peer, tag))
-        return "send work"
-
-    def recv(self, tensors: List[torch.Tensor], peer: int, tag: int) -> str:
-        self.calls.append(("recv", peer, tag))
-        return "recv work"
-
-
 class CoalescingTest(unittest.TestCase):
-    def test_a_round_is_one_coalesced_call(self) -> None:
+    def test_a_coalesced_round_calls_the_backend_as_torch_binds_it(self) -> None:
+        # gloo cannot coalesce: a call that binds meets its refusal, where one
+        # with a device (a ProcessGroup's signature) would be a TypeError
+        with single_rank_process_group():
+            group = open_exchange_group([0], "coalesced", timedelta(seconds=10))
+            backend = RecordingBackend(group.backend, [])
+            coalesced = dataclasses.replace(group, backend=backend, coalesced=True)
+            with self.assertRaisesRegex(
+                RuntimeError, "does not implement startCoalescing"
+            ):
+                coalesced.post([Message(torch.zeros(1), 0, 0, send=True)])
+            self.assertEqual(backend.log, [("_start_coalescing", (), {})])
+            self.assertEqual(coalesced.post([]), [])
+            self.assertEqual(len(backend.log), 1)
+
+    def test_a_group_over_a_cuda_process_group_coalesces_with_the_device(
+        self,
+    ) -> None:
+        with single_rank_process_group() as pg:
+            over_cuda = ExchangeGroup.over(pg, device=torch.device("cuda", 0))
+            self.assertTrue(over_cuda.coalesced)
+            self.assertFalse(ExchangeGroup.over(pg).coalesced)
+            # ProcessGroup._start_coalescing(device) binds (gloo refuses it)
+            with self.assertRaisesRegex(
+                RuntimeError, "does not implement startCoalescing"
+            ):
+                over_cuda.post([Message(torch.zeros(1), 0, 0, send=True)])
+
+    def test_a_pairs_messages_meet_in_the_same_order_on_both_sides(self) -> None:
         t = torch.zeros(1)
-        device = torch.device("cuda", 1)
-        backend = _CoalescingRecorder()
-        group = ExchangeGroup(
-            backend, 1, 3, timedelta(seconds=1), device, coalesced=True
-        )
-        works = group.post(
+        ordered = _pair_order(
             [
                 Message(t, 2, 0, send=False),
                 Message(t, 0, 0, send=True),
                 Message(t, 2, 0, send=True),
                 Message(t, 0, 0, send=False),
-            ]
-        )
-        self.assertEqual(works, ["one work"])
-        self.assertEqual(
-            backend.calls,
-            [
-                ("start", device),
-                ("recv", 0, 0),
-                ("send", 0, 0),
-                ("send", 2, 0),
-                ("recv", 2, 0),
-                ("end", device),
             ],
+            rank=1,
         )
-        self.assertEqual(group.post([]), [])
-
-    def test_a_group_over_a_cuda_process_group_coalesces(self) -> None:
-        with single_rank_process_group() as pg:
-            self.assertTrue(
-                ExchangeGroup.over(pg, device=torch.device("cuda", 0)).coalesced
-            )
-            self.assertFalse(ExchangeGroup.over(pg).coalesced)
+        # the lower rank of a pair posts its sends first
+        self.assertEqual(
+            [(m.peer, m.send) for m in ordered],
+            [(0, False), (0, True), (2, True), (2, False)],
+        )
 
 
 def _cuda_memory_of_a_machine_without_cuda() -> Any:
