@@ -92,6 +92,8 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
 from torchrec.distributed.resharding.wire import (
+    AbortedByPeer,
+    AbortSignal,
     ExchangeGroup,
     ExchangeGroups,
     normalized_device,
@@ -504,6 +506,14 @@ def _check_device_memory(
     return estimate.total
 
 
+def _post(signal: AbortSignal, error: BaseException) -> None:
+    """Posts the transaction's abort key, if the store still answers."""
+    try:
+        signal.post(f"{type(error).__name__}: {error}")
+    except Exception:  # the job's store is gone: nobody to tell
+        logger.warning("could not post the abort key", exc_info=True)
+
+
 def _by_module(keys: Sequence[str]) -> Dict[str, List[str]]:
     """Per module path, the tables of "path:table" keys, in order."""
     out: Dict[str, List[str]] = {}
@@ -600,8 +610,28 @@ class _Exchange:
         self.connect_seconds = 0.0
         self.group_name = ""
 
+    def _gate(self, signal: AbortSignal) -> None:
+        """Every rank is alive and here, right before the group connects
+        (an NCCL connect has no timeout of its own)."""
+        participant = self._participant
+        try:
+            signal.arrive(AbortSignal.GATE, self._timeout)
+        except Exception as e:
+            participant.abort()
+            if not isinstance(e, (AbortedByPeer, ReshardAbortedError)):
+                _post(signal, e)  # the ranks still at the gate fail at once
+            raise ReshardAbortedError(
+                f"rank {dist.get_rank()}: not every rank of the {participant.kind} "
+                f"reached the exchange ({type(e).__name__}: {e}); "
+                f"{participant.unchanged()}"
+            ) from e
+
     def _open(
-        self, groups: ExchangeGroups, transaction: str, reuse: str
+        self,
+        groups: ExchangeGroups,
+        transaction: str,
+        reuse: str,
+        signal: AbortSignal,
     ) -> ExchangeGroup:
         participant = self._participant
         start = time.perf_counter()
@@ -611,6 +641,7 @@ class _Exchange:
             )
         except Exception as e:
             participant.abort()
+            _post(signal, e)
             if isinstance(e, ReshardAbortedError):
                 raise
             raise ReshardAbortedError(
@@ -621,7 +652,7 @@ class _Exchange:
         if group.name == transaction:
             self.connect_seconds = time.perf_counter() - start
         self.group_name = group.name
-        return group
+        return group.with_signal(signal)
 
     def run(
         self,
@@ -635,16 +666,17 @@ class _Exchange:
         group and the participant on any failure.
         """
         participant, me = self._participant, dist.get_rank()
+        index = list(self._ranks).index(me)
+        signal = AbortSignal.of(transaction, len(self._ranks), index)
         # The device finished what was queued on it (a pipeline's collectives,
         # an optimizer step on another stream) before the exchange reads or
         # writes the kernels' memory.
         synchronize_device(self._device)
-        group = self._open(groups, transaction, reuse)
+        self._gate(signal)
+        group = self._open(groups, transaction, reuse, signal)
         try:
             participant.before_exchange(group)
-            plan = plan_rank_transfers(
-                layouts.old, layouts.new, list(self._ranks).index(me)
-            )
+            plan = plan_rank_transfers(layouts.old, layouts.new, index)
             io = slot_io(*participant.slots(), layouts.fields)
             stats = execute_transfers(
                 plan,
@@ -658,11 +690,15 @@ class _Exchange:
             kept = list(io.in_place)
             del io  # nothing of the transaction holds the old slots at the commit
             participant.after_exchange(group)
-            # Nobody commits before everybody filled its new state.
-            group.barrier()
+            # Nobody commits before everybody filled its new state (a store
+            # barrier: no collective of the group is left pending on a rank
+            # when a peer fails there).
+            signal.arrive(AbortSignal.FILLED, self._timeout)
             synchronize_device(self._device)
         except Exception as e:
-            groups.discard(group)
+            # the others stop waiting on this rank, NCCL communicators are
+            # aborted in an order no watchdog takes for an error of its own
+            groups.fail(group, f"{type(e).__name__}: {e}")
             participant.abort()
             raise ReshardAbortedError(
                 f"rank {me}: the {participant.kind} failed in the exchange "

@@ -40,17 +40,26 @@ On NCCL (see ``docs/gpu.md``):
   ``abort()`` ends this rank's kernels at once, where ``shutdown()`` would
   wait for kernels that a dead peer never completes (gloo's ``abort()`` and
   ``shutdown()`` do nothing in torch 2.13). A success shuts a group down
-  (:meth:`ExchangeGroup.close`) or keeps it. Every wait is bounded by the
-  exchange timeout, and the backend's own (watchdog) timeout is
-  :data:`WATCHDOG_FACTOR` times longer: a stalled exchange raises in the
-  caller, which aborts the group, before NCCL's watchdog would act on it.
+  (:meth:`ExchangeGroup.close`) or keeps it;
+* no work is given a timeout of its own (``WorkNCCL::wait(timeout)`` aborts
+  the communicator behind the watchdog's back, which then tears the process
+  down): :meth:`ExchangeGroup.wait` polls completion against the exchange
+  timeout and the transaction's abort key (:class:`AbortSignal`), and the
+  caller aborts first. The backend's own (watchdog) timeout is
+  :data:`WATCHDOG_FACTOR` times longer than the exchange's;
+* the first rank that fails posts the abort key: the others abort their
+  communicators within :data:`ABORT_POLL_SECONDS` and acknowledge, then the
+  failed rank aborts its own, so that no watchdog sees a peer's abort as its
+  own error. Every rank passes a liveness gate on the store right before the
+  group connects (``ncclCommInitRank`` has no timeout).
 """
 
 import dataclasses
 import io
 import logging
 import pickle
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -67,6 +76,166 @@ STORE_PREFIX = "torchrec_reshard_exchange"
 # An NCCL group's own timeout (its watchdog's) is this many times the exchange
 # timeout that bounds every wait: the caller sees a stall first and aborts.
 WATCHDOG_FACTOR = 2
+
+# A rank waiting on an exchange looks for the transaction's abort key this
+# often (one store round trip each time): a failure elsewhere reaches it
+# within about this long, not after the exchange timeout.
+ABORT_POLL_SECONDS: float = 0.2
+
+# The rank that posts the abort key of an NCCL exchange waits this long at
+# most for the other ranks to abort their own communicators before it aborts
+# its own (see :class:`AbortSignal`).
+ABORT_GRACE_SECONDS: float = 5.0
+
+# Pauses between two looks at a work's completion.
+_FIRST_PAUSE_S: float = 5e-5
+_LONGEST_PAUSE_S: float = 5e-3
+
+
+class AbortedByPeer(Exception):
+    """Another rank of the transaction failed and posted its abort key."""
+
+
+class AbortSignal:
+    """
+    One transaction's keys on the job's store, under
+    ``{STORE_PREFIX}/{transaction}/signal/``: the abort key and the store
+    barriers around the exchange.
+
+    The first rank that fails in the exchange posts the abort key
+    (:meth:`post`); every rank waiting on the exchange looks for it between
+    short waits (:meth:`reason`) and fails at once, instead of waiting out
+    the exchange timeout on a peer that will never come. On NCCL the order
+    matters: a rank that sees the key aborts its own communicator first
+    (which stops its watchdog), then acknowledges; the rank that posted
+    aborts its own communicator once every other rank acknowledged (or after
+    :data:`ABORT_GRACE_SECONDS`), so that no communicator sees a peer's abort
+    as an error of its own, which NCCL's watchdog would answer by tearing the
+    process down.
+
+    The barriers (:meth:`arrive`) run on the store, not on the group: the
+    gate right before the group connects (a rank that died after the build's
+    agreement, or never comes, fails the others within the exchange timeout
+    instead of leaving them in an NCCL connect no timeout bounds), and the
+    barrier after the fill (a rank waiting there holds no collective of the
+    group that a failed peer would leave pending). A waiting rank blocks in
+    one ``store.wait``; the last rank to arrive opens the barrier, and the
+    abort key closes every barrier not yet open, so waiters wake at once.
+
+    Args:
+        store (dist.Store): the transaction's keys (a ``PrefixStore``).
+        size (int): the transaction's ranks.
+        rank (int): this rank among them.
+    """
+
+    ABORT = "abort"
+    ACKNOWLEDGED = "acknowledged"
+    GATE = "gate"
+    FILLED = "filled"
+    _OPEN = b"open"
+
+    def __init__(self, store: dist.Store, size: int, rank: int) -> None:
+        self._store = store
+        self.size = size
+        self.rank = rank
+
+    @staticmethod
+    def of(transaction: str, size: int, rank: int) -> "AbortSignal":
+        """
+        Args:
+            transaction (str): the agreement's transaction name.
+            size (int): the transaction's ranks.
+            rank (int): this rank among them.
+
+        Returns:
+            AbortSignal: the transaction's keys on the job's store.
+        """
+        prefix = f"{STORE_PREFIX}/{transaction}/signal/"
+        return AbortSignal(dist.PrefixStore(prefix, job_store()), size, rank)
+
+    def reason(self) -> Optional[str]:
+        """
+        Returns:
+            Optional[str]: the abort key's text, None while nobody posted it.
+        """
+        if not self._store.check([self.ABORT]):
+            return None
+        return self._store.get(self.ABORT).decode(errors="replace")
+
+    def post(self, reason: str) -> bool:
+        """
+        Posts the abort key unless another rank did first, and closes the
+        barriers not yet open.
+
+        Args:
+            reason (str): what failed, for the others' errors.
+
+        Returns:
+            bool: whether this rank posted it, now or before (else another
+            rank had).
+        """
+        mine = f"rank {self.rank}: "
+        text = mine + reason
+        posted = self._store.compare_set(self.ABORT, "", text)
+        for barrier in (self.GATE, self.FILLED):
+            self._store.compare_set(f"{barrier}/all", "", text)
+        return posted.startswith(mine.encode())
+
+    def acknowledge(self) -> None:
+        """Tells the rank that posted the key that this rank aborted."""
+        if self._store.add(self.ACKNOWLEDGED, 1) >= self.size - 1:
+            self._store.set(f"{self.ACKNOWLEDGED}/all", self._OPEN)
+
+    def await_acknowledgements(self, seconds: float) -> bool:
+        """
+        Waits (at most ``seconds``) until every other rank acknowledged.
+
+        Returns:
+            bool: whether all did.
+        """
+        if self.size < 2:
+            return True
+        try:
+            self._store.wait(
+                [f"{self.ACKNOWLEDGED}/all"], timedelta(seconds=max(seconds, 1e-3))
+            )
+        except dist.DistStoreError:
+            return False
+        return True
+
+    def arrive(self, barrier: str, timeout: timedelta) -> None:
+        """
+        Arrives at a barrier (:data:`GATE`, :data:`FILLED`) and waits until
+        every rank did, or a rank posted the abort key, at most ``timeout``.
+
+        Args:
+            barrier (str): which barrier.
+            timeout (timedelta): the exchange timeout.
+
+        Returns:
+            None
+
+        Raises:
+            AbortedByPeer: a rank posted the abort key.
+            ReshardAbortedError: not every rank arrived within ``timeout``
+                (this rank then posts the abort key).
+        """
+        done = f"{barrier}/all"
+        if self._store.add(barrier, 1) >= self.size:
+            self._store.compare_set(done, "", self._OPEN)
+        try:
+            self._store.wait([done], timeout)
+        except dist.DistStoreError:
+            arrived = self._store.add(barrier, 0)
+            message = (
+                f"{arrived} of {self.size} ranks reached the {barrier} barrier "
+                f"of the exchange within {timeout}"
+            )
+            self.post(message)
+            raise ReshardAbortedError(message)
+        value = self._store.get(done)
+        if value != self._OPEN:
+            raise AbortedByPeer(value.decode(errors="replace"))
 
 
 @dataclass(frozen=True)
@@ -107,6 +276,8 @@ class ExchangeGroup:
         coalesced (bool): whether a round's messages are posted as one
             coalesced call of the backend (NCCL: one communicator for every
             pair) rather than one by one (gloo).
+        signal (Optional[AbortSignal]): the current transaction's abort key
+            (a group of :meth:`over` has none).
     """
 
     backend: Any
@@ -117,6 +288,7 @@ class ExchangeGroup:
     owned: bool = False
     name: str = ""
     coalesced: bool = False
+    signal: Optional[AbortSignal] = field(default=None, compare=False)
 
     @staticmethod
     def over(
@@ -136,7 +308,14 @@ class ExchangeGroup:
 
         Returns:
             ExchangeGroup: the group; closing or aborting it leaves ``group``
-            alone. On CUDA its rounds are coalesced (NCCL).
+            alone. On CUDA its rounds are coalesced (NCCL). Its waits are
+            polled against ``timeout`` and never handed to NCCL (whose timed
+            wait would abort the training communicator behind its watchdog's
+            back): a stalled exchange raises here, and its work stays
+            pending on ``group``, for that group's own watchdog to act on at
+            its own timeout (on NCCL with the default error handling: the
+            process is torn down, as for any stuck collective of training).
+            Keep ``timeout`` generous on a group training uses.
         """
         device = normalized_device(device or torch.device("cpu"))
         return ExchangeGroup(
@@ -196,16 +375,66 @@ class ExchangeGroup:
 
     def wait(self, works: Sequence[Any]) -> None:
         """
-        Waits for works of this group, each at most the group's timeout.
+        Waits for works of this group, all of them within the group's timeout,
+        looking for the transaction's abort key meanwhile. A work is never
+        given a timeout of its own on CUDA: ``WorkNCCL::wait(timeout)`` aborts
+        the communicator itself when it expires, before this rank can stop
+        the group's watchdog (which then sees the abort as an error and tears
+        the process down, with the default error handling); here the works are
+        polled and the caller decides, aborting first (:meth:`fail`). A group
+        of :meth:`over` (a group training uses) is never aborted: its work
+        stays pending for its own watchdog. On CPU (gloo, whose
+        point-to-point works report completion only from ``wait``) each work
+        is waited for with the time left; a failed peer's closed connections
+        end them at once, and the collectives around the exchange look for
+        the abort key.
 
         Args:
             works (Sequence[Any]): works from :meth:`post` or a collective.
 
         Returns:
             None
+
+        Raises:
+            AbortedByPeer: another rank posted the abort key.
+            TimeoutError: the works did not complete within the timeout.
         """
+        self._wait(works, poll=self.device.type == "cuda")
+
+    def _wait(self, works: Sequence[Any], poll: bool) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
         for work in works:
-            work.wait(self.timeout)
+            if poll:
+                self._poll(work, deadline)
+            else:
+                left = max(deadline - time.monotonic(), 1e-3)
+                work.wait(timedelta(seconds=left))
+
+    def _poll(self, work: Any, deadline: float) -> None:
+        pause = _FIRST_PAUSE_S
+        look = time.monotonic() + ABORT_POLL_SECONDS
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= look:
+                self.raise_if_aborted()
+                look = now + ABORT_POLL_SECONDS
+            if now >= deadline:
+                raise TimeoutError(
+                    f"the exchange did not complete within {self.timeout}"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+        work.wait()
+
+    def raise_if_aborted(self) -> None:
+        """
+        Raises:
+            AbortedByPeer: when another rank posted the transaction's abort key.
+        """
+        if self.signal is not None:
+            reason = self.signal.reason()
+            if reason is not None:
+                raise AbortedByPeer(reason)
 
     # ---------------------------------------------------------- collectives
 
@@ -220,7 +449,7 @@ class ExchangeGroup:
         tensor = torch.tensor(values, dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
-        self.wait([self.backend.allreduce([tensor], opts)])
+        self._wait([self.backend.allreduce([tensor], opts)], poll=True)
         return [int(v) for v in tensor.tolist()]
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
@@ -238,7 +467,7 @@ class ExchangeGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
-        self.wait([self.backend.broadcast([tensor], opts)])
+        self._wait([self.backend.broadcast([tensor], opts)], poll=True)
 
     def broadcast_object(self, obj: Any, src: int) -> Any:
         """
@@ -313,6 +542,45 @@ class ExchangeGroup:
             self.backend.abort()
         except Exception:  # a group broken by the failure it reports
             logger.debug("aborting the exchange group failed", exc_info=True)
+
+    def fail(self, reason: str) -> None:
+        """
+        After a failure on this rank: posts the transaction's abort key (the
+        other ranks stop waiting within :data:`ABORT_POLL_SECONDS`) and aborts
+        the group. On NCCL the rank that posted the key aborts its
+        communicator once the others aborted theirs (each acknowledges after
+        its own abort; at most :data:`ABORT_GRACE_SECONDS`), so that no
+        communicator sees a peer's abort before its own watchdog was stopped.
+        A failure that is another rank's abort key is acknowledged after the
+        abort.
+
+        Args:
+            reason (str): what failed (the others' errors name it).
+
+        Returns:
+            None
+        """
+        signal = self.signal
+        first = False
+        if signal is not None:
+            try:
+                first = signal.post(reason)
+            except Exception:  # the job's store is gone: nobody to tell
+                logger.warning("could not post the abort key", exc_info=True)
+                signal = None
+        if signal is not None and first and self.owned and self.device.type == "cuda":
+            grace = min(ABORT_GRACE_SECONDS, self.timeout.total_seconds())
+            if not signal.await_acknowledgements(grace):
+                logger.warning(
+                    "not every rank acknowledged the abort within %.1f s", grace
+                )
+        self.abort()
+        if signal is not None and not first:
+            signal.acknowledge()
+
+    def with_signal(self, signal: AbortSignal) -> "ExchangeGroup":
+        """The same connected group, for the transaction of ``signal``."""
+        return dataclasses.replace(self, signal=signal)
 
     def with_timeout(self, timeout: timedelta) -> "ExchangeGroup":
         """The same connected group, every wait bounded by ``timeout``."""
@@ -529,10 +797,28 @@ class ExchangeGroups:
         Returns:
             None
         """
+        self._forget(group)
+        group.abort()
+
+    def fail(self, group: ExchangeGroup, reason: str) -> None:
+        """
+        After a failure of a transaction on ``group``: tells its other ranks
+        (:meth:`ExchangeGroup.fail`), aborts the group and forgets it.
+
+        Args:
+            group (ExchangeGroup): a group :meth:`open` returned.
+            reason (str): what failed.
+
+        Returns:
+            None
+        """
+        self._forget(group)
+        group.fail(reason)
+
+    def _forget(self, group: ExchangeGroup) -> None:
         for key, kept in list(self._groups.items()):
             if kept.name == group.name:
                 del self._groups[key]
-        group.abort()
 
     def close(self) -> None:
         """Shuts down every kept group (e.g. when the job stops resharding)."""

@@ -67,6 +67,35 @@ class RecordingBackend:
                 self.calls.append(name)
             elif name == "set_timeout":
                 self.calls.append(f"set_timeout {args[0].total_seconds():g}")
+            result = attribute(*args, **kwargs)
+            if isinstance(result, dist.Work):
+                return RecordingWork(result, self.log)
+            return result
+
+        return call
+
+
+class RecordingWork:
+    """
+    A real work whose calls are recorded in its backend's log (as
+    ``work.NAME``) and passed through unchanged.
+
+    Args:
+        work (dist.Work): the real work.
+        log (List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]): the log.
+    """
+
+    def __init__(
+        self, work: Any, log: List[Tuple[str, Tuple[Any, ...], Dict[str, Any]]]
+    ) -> None:
+        self._work = work
+        self._log = log
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._work, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._log.append((f"work.{name}", args, kwargs))
             return attribute(*args, **kwargs)
 
         return call

@@ -27,6 +27,8 @@ import datetime
 import json
 import os
 import re
+import threading
+import time
 import unittest
 from datetime import timedelta
 from pathlib import Path
@@ -79,7 +81,10 @@ CONTRACT: Dict[str, str] = {
     "backend.recv": "([tensor], src, tag) -> Work; as send",
     "backend.allreduce": "([tensor], AllreduceOptions) -> Work",
     "backend.broadcast": "([tensor], BroadcastOptions) -> Work",
-    "work.wait": "(timedelta) -> True once done",
+    "work.wait": "(timedelta) or () -> True once done; raises the work's error",
+    "work.is_completed": "() -> bool, without waiting; NCCL works and gloo's "
+    "collectives report completion by themselves, gloo's point-to-point works "
+    "only from wait()",
     "store.add": "(key, int) -> int, the new value",
     "store.append": "(key, bytes) -> None",
     "store.check": "([key]) -> bool",
@@ -362,14 +367,57 @@ class BackendContractTest(unittest.TestCase):
             group.broadcast(t, 0)
             self.assertEqual(group.broadcast_object({"a": 1}, 0), {"a": 1})
             group.barrier()
-            names = [name for name, _, _ in backend.log]
-            self.assertEqual(set(names), {"broadcast", "allreduce"})
+            names = {name for name, _, _ in backend.log}
+            self.assertEqual(
+                names, {"broadcast", "allreduce", "work.is_completed", "work.wait"}
+            )
             work = backend.allreduce([t], dist.AllreduceOptions())
             self.assertTrue(work.wait(TIMEOUT))
             # gloo never sends to its own rank (NCCL does, in a group call)
             with self.assertRaisesRegex(RuntimeError, "not connected"):
                 group.post([Message(t, 0, 0, send=True)])
             self.assertEqual(backend.log[-1][0], "send")
+
+
+def _gloo_pair() -> List[Any]:
+    """Two gloo backends of one two-rank group, in this process."""
+    store = dist.HashStore()
+    backends: List[Any] = [None, None]
+
+    def connect(rank: int) -> None:
+        backends[rank] = dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return backends
+
+
+class WorkContractTest(unittest.TestCase):
+    def test_gloo_reports_a_messages_completion_only_from_wait(self) -> None:
+        sender, receiver = _gloo_pair()
+        received = torch.zeros(4)
+        sent = sender.send([torch.ones(4)], 1, 0)
+        pending = receiver.recv([received], 0, 0)
+        time.sleep(0.2)
+        # the message arrived, yet neither work says so before wait()
+        self.assertFalse(sent.is_completed())
+        self.assertFalse(pending.is_completed())
+        self.assertTrue(pending.wait(TIMEOUT))
+        self.assertTrue(sent.wait(TIMEOUT))
+        self.assertTrue(pending.is_completed())
+        self.assertTrue(torch.equal(received, torch.ones(4)))
+        # a collective's work completes by itself
+        works = [
+            b.allreduce([torch.ones(2)], dist.AllreduceOptions())
+            for b in (sender, receiver)
+        ]
+        deadline = time.monotonic() + 10
+        while not all(w.is_completed() for w in works):
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
 
 
 class StoreContractTest(unittest.TestCase):
@@ -504,11 +552,14 @@ class CudaBuildSignatureTest(unittest.TestCase):
             {"set_timeout", "allreduce", "broadcast", "_start_coalescing", "recv"},
             called,
         )
+        self.assertIn("work.is_completed", called)
         for name, args, kwargs in backend.log:
+            cls, _, method = name.rpartition(".")
+            cls = "Work" if cls == "work" else "ProcessGroupNCCL"
             self.assertTrue(
-                bindings.accepts("ProcessGroupNCCL", name, args, kwargs),
-                f"ProcessGroupNCCL.{name}{args} does not bind on the CUDA build: "
-                f"{bindings.data['classes']['ProcessGroupNCCL']['methods'].get(name)}",
+                bindings.accepts(cls, method, args, kwargs),
+                f"{cls}.{method}{args} does not bind on the CUDA build: "
+                f"{bindings.data['classes'][cls]['methods'].get(method)}",
             )
 
     def test_the_connect_of_an_nccl_group_binds(self) -> None:
