@@ -41,6 +41,16 @@ from torchrec.distributed.resharding.plan import (
 # a margin, not a measurement; ``mem_get_info`` sees the real figure.
 NCCL_COMMUNICATOR_BYTES: int = 256 * 2**20
 
+# Device buffers NCCL allocates for point-to-point with a peer it has not yet
+# exchanged with (on first use, inside the group call): a margin per new
+# peer, not a measurement (verify on GPU).
+NCCL_PEER_BYTES: int = 16 * 2**20
+
+# The in-flight cap of an exchange that stages data between the host and a
+# GPU when the caller sets none (pinned host buffers, or device buffers for
+# host state): a whole model's bytes in one round would exhaust either.
+DEFAULT_STAGED_INFLIGHT_BYTES: int = 256 * 2**20
+
 
 @dataclass(frozen=True)
 class PeakEstimate:

@@ -79,6 +79,7 @@ from torchrec.distributed.resharding.model_view import (
     build_model,
     defined_tables,
     dense_tensors,
+    model_env,
     model_facts,
     release_model,
     sharded_lookups,
@@ -501,6 +502,17 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
 
     def unchanged(self) -> str:
         return "the model on the old group is unchanged"
+
+    def exchange_groups_owner(self) -> Optional[ShardingEnv]:
+        # the env of the group this rank's model lives on afterwards
+        if self._new_env is not None:
+            return self._new_env
+        return model_env(self._model) if self._model is not None else None
+
+    def stages_on_host(self) -> bool:
+        agreed = self._agreed
+        assert agreed is not None
+        return agreed.staged
 
     @property
     def new_model(self) -> Optional[nn.Module]:

@@ -203,6 +203,8 @@ class AgreedMove:
     # the device type every participant exchanges on: theirs when they all
     # have the same (NCCL on CUDA), else the host (gloo)
     exchange_device_type: str = "cpu"
+    # whether some participant's CUDA state travels through the host exchange
+    staged: bool = False
 
     def transaction_ranks(self, group: Sequence[int]) -> List[int]:
         """The transaction rank of each rank of a group."""
@@ -295,6 +297,7 @@ def check_move_agreement(
         first.dense or [],
         first.has_optimizer,
         exchange_device_type=exchange_device_type([f.device_type for f in all_facts]),
+        staged=staged_on_host([f.device_type for f in all_facts]),
     )
 
 
@@ -312,6 +315,20 @@ def exchange_device_type(device_types: Sequence[str]) -> str:
     """
     types = set(device_types)
     return types.pop() if len(types) == 1 else "cpu"
+
+
+def staged_on_host(device_types: Sequence[str]) -> bool:
+    """
+    Whether a move stages CUDA state in host memory: some participants have
+    a GPU, not all of them a device of its type (:func:`exchange_device_type`).
+
+    Args:
+        device_types (Sequence[str]): each participant's device type.
+
+    Returns:
+        bool: CUDA state travels through the host exchange.
+    """
+    return "cuda" in device_types and exchange_device_type(device_types) == "cpu"
 
 
 def check_movable_kernels(plan: ShardingPlan) -> None:

@@ -92,6 +92,8 @@ class ExchangeStats:
         bytes_kept_in_place (int): bytes of local pieces the new shards held
             already (neither copied nor written).
         rounds (int): rounds of the exchange.
+        pinned_bytes (int): page-locked host memory its staging took (given
+            back at its end).
     """
 
     bytes_sent: int = 0
@@ -101,6 +103,7 @@ class ExchangeStats:
     bytes_copied_locally: int = 0
     bytes_kept_in_place: int = 0
     rounds: int = 0
+    pinned_bytes: int = 0
 
 
 # ------------------------------------------------------------------ rounds
@@ -224,6 +227,71 @@ def _round_pieces(
 
 
 # ---------------------------------------------------------------- the wire
+
+
+class StagingPool:
+    """
+    The pinned host buffers of one exchange (host buffers that stage CUDA
+    tensors, e.g. on gloo): one page-locked block reused by every round, each
+    message a view into it; :meth:`release` at the end gives it back to the
+    OS with the host allocator's other unused cached blocks
+    (``torch.accelerator.empty_host_cache``). Pinned memory freed into the
+    caching host allocator stays page-locked for the rest of the process
+    otherwise (torch rounds each block up to a power of two and caches
+    without limit by default).
+
+    Args:
+        pin (bool): page-lock the blocks (False: plain host memory, the same
+            bookkeeping).
+    """
+
+    ALIGN = 64
+    SMALLEST_BLOCK = 1 << 20
+
+    def __init__(self, pin: bool = True) -> None:
+        self._pin = pin
+        self._blocks: List[torch.Tensor] = []
+        self._offset = 0
+        self.pinned_bytes = 0  # bytes ever page-locked by this pool
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """
+        Args:
+            numel (int): elements of the buffer.
+            dtype (torch.dtype): their type.
+
+        Returns:
+            torch.Tensor: a buffer valid until the next :meth:`reset`.
+        """
+        nbytes = numel * dtype.itemsize
+        start = -(-self._offset // self.ALIGN) * self.ALIGN
+        if not self._blocks or start + nbytes > self._blocks[-1].numel():
+            last = self._blocks[-1].numel() if self._blocks else 0
+            size = max(nbytes, 2 * last, self.SMALLEST_BLOCK)
+            self._blocks.append(
+                torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+            )
+            self.pinned_bytes += size if self._pin else 0
+            start = 0
+        self._offset = start + nbytes
+        return self._blocks[-1][start : start + nbytes].view(dtype)
+
+    def reset(self) -> None:
+        """After a round: its buffers are no longer in use. The next round
+        reuses one block as large as this round needed."""
+        used = sum(b.numel() for b in self._blocks[:-1]) + self._offset
+        if len(self._blocks) > 1:
+            self._blocks = [torch.empty(used, dtype=torch.uint8, pin_memory=self._pin)]
+            self.pinned_bytes += used if self._pin else 0
+        self._offset = 0
+
+    def release(self) -> None:
+        """Drops the blocks; pinned ones go back to the OS."""
+        self._blocks = []
+        self._offset = 0
+        if self.pinned_bytes:
+            torch.accelerator.empty_host_cache()
+
 
 # A piece's field smaller than this travels packed with the pair's other small
 # pieces of its dtype (one message instead of many tiny ones); a larger one is
@@ -352,6 +420,7 @@ class _Wire:
         self._io = io
         self._group = group
         self._device = device
+        self.staging = StagingPool()
 
     def _outgoing(self, message: WireMessage) -> Tuple[torch.Tensor, bool]:
         """The tensor a message is sent from, and whether it is a buffer."""
@@ -387,14 +456,11 @@ class _Wire:
     def _buffer(
         self, message: WireMessage, data: Sequence[torch.Tensor]
     ) -> torch.Tensor:
-        """A message's buffer on the wire's device (pinned host memory where
-        it stages CUDA tensors)."""
-        return torch.empty(
-            message.numel,
-            dtype=message.dtype,
-            device=self._device,
-            pin_memory=pinned_staging(self._device, [t.device for t in data]),
-        )
+        """A message's buffer on the wire's device (pinned host memory from
+        the exchange's pool where it stages CUDA tensors)."""
+        if pinned_staging(self._device, [t.device for t in data]):
+            return self.staging.take(message.numel, message.dtype)
+        return torch.empty(message.numel, dtype=message.dtype, device=self._device)
 
     def _commit(self, receive: _Receive) -> None:
         offset = 0
@@ -450,6 +516,7 @@ class _Wire:
         for receive in incoming:
             if receive.buffered:
                 self._commit(receive)
+        self.staging.reset()
 
 
 def _copy_local(
@@ -504,14 +571,18 @@ def execute_transfers(
         _copy_local(plan, fields, io, stats)
         rounds = _plan_rounds(plan, fields, group, max_inflight_bytes)
         wire = _Wire(fields, io, group, device)
-        for k in range(rounds.count):
-            wire.run(
-                _round_pieces(rounds.sends, k),
-                _round_pieces(rounds.receives, k),
-                stats,
-            )
-            if on_round is not None:
-                on_round(k + 1, rounds.count)
+        try:
+            for k in range(rounds.count):
+                wire.run(
+                    _round_pieces(rounds.sends, k),
+                    _round_pieces(rounds.receives, k),
+                    stats,
+                )
+                if on_round is not None:
+                    on_round(k + 1, rounds.count)
+        finally:
+            wire.staging.release()
         stats.rounds = rounds.count
+        stats.pinned_bytes = wire.staging.pinned_bytes
         io.finish()
     return stats

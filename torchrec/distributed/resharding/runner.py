@@ -74,10 +74,12 @@ from torch.autograd.profiler import record_function
 from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
 from torchrec.distributed.resharding.device_memory import (
     check_fits,
+    DEFAULT_STAGED_INFLIGHT_BYTES,
     estimate_peak,
     free_device_bytes,
     MemoryWatch,
     NCCL_COMMUNICATOR_BYTES,
+    NCCL_PEER_BYTES,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
 from torchrec.distributed.resharding.fields import Field, piece_cost
@@ -85,6 +87,7 @@ from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
     bytes_per_rank,
     plan_rank_transfers,
+    RankPlan,
     ReshardAbortedError,
     ReshardError,
     TableLayout,
@@ -96,6 +99,7 @@ from torchrec.distributed.resharding.wire import (
     AbortSignal,
     ExchangeGroup,
     ExchangeGroups,
+    kept_exchange_groups,
     normalized_device,
     same_kept_group,
     synchronize_device,
@@ -216,6 +220,10 @@ class TransactionReport(ExchangeStats):
             took to connect the exchange group (0 when a kept one was reused).
         exchange_group (str): the name of the exchange group used (the
             transaction that connected it).
+        communicator_bytes (int): device memory the exchange group's
+            connect took on this rank (measured; 0 on CPU).
+        kept_communicator_bytes (int): device memory of every exchange group
+            this rank keeps after the transaction (its ``ExchangeGroups``).
         estimated_peak_bytes (int): the bound of the bytes the transaction
             could add on this rank's device (``device_memory``; checked
             against the free memory on CUDA).
@@ -240,6 +248,8 @@ class TransactionReport(ExchangeStats):
     deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
     connect_seconds: float = 0.0
     exchange_group: str = ""
+    communicator_bytes: int = 0
+    kept_communicator_bytes: int = 0
     estimated_peak_bytes: int = 0
     peak_memory_bytes: int = 0
     memory_kind: str = ""
@@ -334,6 +344,22 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
     def unchanged(self) -> str:
         """What a failed transaction leaves as it was, for the error message."""
         return "the module is unchanged and keeps its old sharding"
+
+    def exchange_groups_owner(self) -> Optional[Any]:
+        """
+        The ``ShardingEnv`` whose kept exchange groups serve the transaction
+        when its options name none (``wire.kept_exchange_groups``); None: a
+        group for this transaction alone.
+        """
+        return None
+
+    def stages_on_host(self) -> bool:
+        """
+        Whether the exchange stages data between the host and a GPU (host
+        state on a CUDA exchange, CUDA state on a host one): then it is
+        capped by default (:func:`inflight_cap`). The same on every rank.
+        """
+        return False
 
 
 class _Clock:
@@ -437,13 +463,17 @@ def run_transaction(
         return _finish(report, clock)
 
     device = normalized_device(participant.device())
-    groups = options.exchange_groups or ExchangeGroups()
+    groups, own_groups = _exchange_groups(participant, options)
+    cap = inflight_cap(participant, options)
     watch = MemoryWatch(device)
+    plan: Optional[RankPlan] = None
     with clock.phase("build"):
         error = None
         try:
+            index = list(ranks).index(dist.get_rank())
+            plan = plan_rank_transfers(layouts.old, layouts.new, index)
             report.estimated_peak_bytes = _check_device_memory(
-                participant, layouts, ranks, device, options, groups
+                participant, layouts, ranks, device, cap, groups, rank_peers(plan)
             )
             participant.build()
         except Exception as e:
@@ -463,19 +493,95 @@ def run_transaction(
             participant.abort()
             raise
 
+    assert plan is not None  # every rank built (the agreement said so)
     with clock.phase("exchange"):
-        exchange = _Exchange(participant, ranks, device, timeout, options)
-        stats, kept = exchange.run(layouts, groups, built.transaction, built.merged)
+        exchange = _Exchange(participant, ranks, device, timeout, options, cap)
+        stats, kept = exchange.run(
+            layouts, plan, groups, built.transaction, built.merged
+        )
+    groups.note_peers(ranks, device, rank_peers(plan))
     _count_exchange(report, stats, kept)
     report.connect_seconds = exchange.connect_seconds
     report.exchange_group = exchange.group_name
+    report.communicator_bytes = exchange.communicator_bytes
+    report.kept_communicator_bytes = groups.communicator_bytes
     watch.sample()
     report.peak_memory_bytes, report.memory_kind = watch.peak(), watch.kind
     with clock.phase("commit"):
         report.bytes_released = participant.commit()
-    if options.exchange_groups is None:
-        groups.close()  # made for this transaction alone
+    if own_groups:
+        groups.close(graceful=True)  # made for this transaction alone
     return _finish(report, clock)
+
+
+def _exchange_groups(
+    participant: Participant[Any, Any], options: ReshardOptions
+) -> Tuple[ExchangeGroups, bool]:
+    """
+    Where the transaction finds and keeps its exchange group: the options'
+    groups, else those of the participant's ``ShardingEnv``
+    (``wire.kept_exchange_groups``), else its own (closed at its end; the
+    second value says so).
+    """
+    if options.exchange_groups is not None:
+        return options.exchange_groups, False
+    env = participant.exchange_groups_owner()
+    if env is not None:
+        return kept_exchange_groups(env), False
+    return ExchangeGroups(), True
+
+
+def inflight_cap(
+    participant: Participant[Any, Any], options: ReshardOptions
+) -> Optional[int]:
+    """
+    The exchange's in-flight cap: the options', else, where the exchange
+    stages data between the host and a GPU (:meth:`Participant.stages_on_host`,
+    the same on every rank), :data:`DEFAULT_STAGED_INFLIGHT_BYTES`: staging
+    buffers are pinned host memory or device memory that a whole model's
+    bytes in one round would exhaust.
+
+    Args:
+        participant (Participant): this rank's part.
+        options (ReshardOptions): the options.
+
+    Returns:
+        Optional[int]: the cap (None: one round).
+    """
+    if options.max_inflight_bytes is not None:
+        return options.max_inflight_bytes
+    if participant.stages_on_host():
+        return DEFAULT_STAGED_INFLIGHT_BYTES
+    return None
+
+
+def rank_peers(plan: RankPlan) -> List[int]:
+    """The ranks (numbered in the transaction) this rank sends to or receives from."""
+    peers = {t.dst_rank for t in plan.sends} | {t.src_rank for t in plan.receives}
+    return sorted(peers)
+
+
+def communicator_budget(
+    groups: ExchangeGroups,
+    ranks: Sequence[int],
+    device: torch.device,
+    peers: Sequence[int],
+) -> int:
+    """
+    Device bytes the exchange's communicator may add on this rank: a new
+    connect (the last measured connect of as many members, else the margin
+    ``NCCL_COMMUNICATOR_BYTES``) unless this rank kept a group for the
+    ranks, plus ``NCCL_PEER_BYTES`` for each peer the group has not yet
+    exchanged with (NCCL allocates point-to-point buffers on first use).
+    Nothing on CPU.
+    """
+    if device.type != "cuda":
+        return 0
+    budget = groups.new_peers(ranks, device, peers) * NCCL_PEER_BYTES
+    if not groups.kept_name(ranks, device):
+        measured = groups.measured_bytes(len(ranks), device)
+        budget += NCCL_COMMUNICATOR_BYTES if measured is None else measured
+    return budget
 
 
 def _check_device_memory(
@@ -483,22 +589,22 @@ def _check_device_memory(
     layouts: TransactionLayouts,
     ranks: Sequence[int],
     device: torch.device,
-    options: ReshardOptions,
+    cap: Optional[int],
     groups: ExchangeGroups,
+    peers: Sequence[int],
 ) -> int:
     """
     The bound of the device bytes the transaction adds on this rank; on CUDA
     refuses (``ReshardError``) when it does not fit the free memory.
     """
-    connects = device.type == "cuda" and not groups.kept_name(ranks, device)
     estimate = estimate_peak(
         layouts.old,
         layouts.new,
         layouts.fields,
         list(ranks).index(dist.get_rank()),
-        options.max_inflight_bytes,
+        cap,
         layouts.dense_bytes,
-        NCCL_COMMUNICATOR_BYTES if connects else 0,
+        communicator_budget(groups, ranks, device, peers),
     )
     free = free_device_bytes(device)
     if free is not None:
@@ -601,14 +707,17 @@ class _Exchange:
         device: torch.device,
         timeout: timedelta,
         options: ReshardOptions,
+        cap: Optional[int],
     ) -> None:
         self._participant = participant
         self._ranks = ranks
         self._device = device
         self._timeout = timeout
         self._options = options
+        self._cap = cap
         self.connect_seconds = 0.0
         self.group_name = ""
+        self.communicator_bytes = 0
 
     def _gate(self, signal: AbortSignal) -> None:
         """Every rank is alive and here, right before the group connects
@@ -652,11 +761,13 @@ class _Exchange:
         if group.name == transaction:
             self.connect_seconds = time.perf_counter() - start
         self.group_name = group.name
+        self.communicator_bytes = group.communicator_bytes
         return group.with_signal(signal)
 
     def run(
         self,
         layouts: TransactionLayouts,
+        plan: RankPlan,
         groups: ExchangeGroups,
         transaction: str,
         reuse: str,
@@ -676,14 +787,13 @@ class _Exchange:
         group = self._open(groups, transaction, reuse, signal)
         try:
             participant.before_exchange(group)
-            plan = plan_rank_transfers(layouts.old, layouts.new, index)
             io = slot_io(*participant.slots(), layouts.fields)
             stats = execute_transfers(
                 plan,
                 layouts.fields,
                 io,
                 group,
-                self._options.max_inflight_bytes,
+                self._cap,
                 self._device,
                 _progress_bar(self._options.progress and self._ranks[0] == me),
             )

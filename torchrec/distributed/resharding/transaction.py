@@ -382,6 +382,9 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
     def unchanged(self) -> str:
         return "every module is unchanged and keeps its old sharding"
 
+    def exchange_groups_owner(self) -> Optional[ShardingEnv]:
+        return self._env
+
 
 def _configs_and_infos(
     m: _ModuleReshard,

@@ -46,6 +46,7 @@ from torchrec.distributed.resharding.model_view import (
     dense_tensors,
     is_dense,
     meta_definition,
+    model_env,
     model_facts,
     plain_tables,
     plain_twin,
@@ -202,6 +203,13 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
 
     def unchanged(self) -> str:
         return "the model is unchanged"
+
+    def exchange_groups_owner(self) -> Optional[ShardingEnv]:
+        return model_env(self._model)
+
+    def stages_on_host(self) -> bool:
+        # the destination builds plain modules on the host
+        return self.device().type == "cuda"
 
     def result(self, report: TransactionReport) -> Optional[UnshardedModel]:
         if not self._is_destination():
@@ -398,6 +406,13 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
 
     def device(self) -> torch.device:
         return self._device
+
+    def exchange_groups_owner(self) -> Optional[ShardingEnv]:
+        return self._env
+
+    def stages_on_host(self) -> bool:
+        # the source's weights are on the host
+        return self._device.type == "cuda"
 
     def unchanged(self) -> str:
         return "nothing was sharded"

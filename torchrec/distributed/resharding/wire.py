@@ -59,13 +59,15 @@ import io
 import logging
 import pickle
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed.resharding.agreement import default_timeout, job_store
+from torchrec.distributed.resharding.device_memory import free_device_bytes
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -86,6 +88,15 @@ ABORT_POLL_SECONDS: float = 0.2
 # most for the other ranks to abort their own communicators before it aborts
 # its own (see :class:`AbortSignal`).
 ABORT_GRACE_SECONDS: float = 5.0
+
+# How many exchange groups an ExchangeGroups keeps connected at most (the
+# least recently used beyond that is aborted): one for the job's group and
+# one for a move's union, say.
+DEFAULT_KEPT_GROUPS: int = 2
+
+# The attribute of a ShardingEnv under which the default path keeps its
+# exchange groups (see kept_exchange_groups).
+_KEPT_GROUPS_ATTRIBUTE = "_reshard_exchange_groups"
 
 # Pauses between two looks at a work's completion.
 _FIRST_PAUSE_S: float = 5e-5
@@ -278,6 +289,8 @@ class ExchangeGroup:
             pair) rather than one by one (gloo).
         signal (Optional[AbortSignal]): the current transaction's abort key
             (a group of :meth:`over` has none).
+        communicator_bytes (int): device memory its connect took on this
+            rank (NCCL: ``mem_get_info`` before and after; 0 on CPU).
     """
 
     backend: Any
@@ -289,6 +302,7 @@ class ExchangeGroup:
     name: str = ""
     coalesced: bool = False
     signal: Optional[AbortSignal] = field(default=None, compare=False)
+    communicator_bytes: int = field(default=0, compare=False)
 
     @staticmethod
     def over(
@@ -667,8 +681,10 @@ def open_exchange_group(
     ranks = list(global_ranks)
     rank = ranks.index(dist.get_rank())
     store = dist.PrefixStore(f"{STORE_PREFIX}/{transaction}/", job_store())
+    free_before = free_device_bytes(device)
     try:
         backend = _connect(store, ranks, rank, timeout, device, transaction)
+        free_after = free_device_bytes(device)
     except Exception as e:
         raise ReshardAbortedError(
             f"could not connect the ranks for the shard exchange ({type(e).__name__}:"
@@ -683,6 +699,11 @@ def open_exchange_group(
         owned=True,
         name=transaction,
         coalesced=bool(backend.supports_coalescing),
+        communicator_bytes=(
+            max(0, free_before - free_after)
+            if free_before is not None and free_after is not None
+            else 0
+        ),
     )
 
 
@@ -692,9 +713,11 @@ GroupKey = Tuple[Tuple[int, ...], str]
 class ExchangeGroups:
     """
     The exchange groups one rank keeps connected between transactions: one
-    per set of members (in their order) and device type. Give the same object
-    to every transaction (``ReshardOptions.exchange_groups``; a ``Rebalancer``
-    keeps one) and NCCL connects each set of members once rather than per
+    per set of members (in their order) and device type, at most
+    ``max_groups`` of them (the least recently used beyond that is aborted).
+    Transactions without ``ReshardOptions.exchange_groups`` use the one their
+    ``ShardingEnv`` keeps (:func:`kept_exchange_groups`); a ``Rebalancer``
+    keeps one; NCCL then connects each set of members once rather than per
     reshard. A group that took part in a failure is aborted and forgotten;
     the next transaction of its members connects a new one.
 
@@ -702,11 +725,28 @@ class ExchangeGroups:
     it kept (:meth:`kept_name`); only when every member kept the same group
     do they reuse it (:meth:`open`), else each drops its own and they connect
     anew.
+
+    Kept NCCL communicators hold device memory outside PyTorch's allocator:
+    each group's connect is measured (``mem_get_info`` before and after,
+    :attr:`communicator_bytes`), the pre-flight budgets the next connect of
+    as many members with the last such figure, and the peers a group has
+    exchanged with (whose point-to-point buffers NCCL allocates on first use)
+    are remembered (:meth:`new_peers`).
+
+    Args:
+        max_groups (int): groups kept at most (at least 1).
     """
 
-    def __init__(self) -> None:
-        self._groups: Dict[GroupKey, ExchangeGroup] = {}
+    def __init__(self, max_groups: int = DEFAULT_KEPT_GROUPS) -> None:
+        if max_groups < 1:
+            raise ValueError(f"max_groups must be at least 1, got {max_groups}")
+        self.max_groups = max_groups
+        self._groups: "OrderedDict[GroupKey, ExchangeGroup]" = OrderedDict()
+        self._peers: Dict[GroupKey, Set[int]] = {}
+        # (members, device type) -> device bytes of the last such connect
+        self._measured: Dict[Tuple[int, str], int] = {}
         self.connected: int = 0
+        self.evicted: int = 0
 
     @staticmethod
     def _key(global_ranks: Sequence[int], device: torch.device) -> GroupKey:
@@ -724,6 +764,49 @@ class ExchangeGroups:
         group = self._groups.get(self._key(global_ranks, device))
         return group.name if group is not None else ""
 
+    @property
+    def communicator_bytes(self) -> int:
+        """Device bytes the kept groups' connects took on this rank."""
+        return sum(group.communicator_bytes for group in self._groups.values())
+
+    def measured_bytes(self, members: int, device: torch.device) -> Optional[int]:
+        """
+        Args:
+            members (int): a group's size.
+            device (torch.device): its device.
+
+        Returns:
+            Optional[int]: the device bytes the last connect of a group of
+            that size took on this rank (None before the first).
+        """
+        return self._measured.get((members, device.type))
+
+    def new_peers(
+        self, global_ranks: Sequence[int], device: torch.device, peers: Iterable[int]
+    ) -> int:
+        """
+        Args:
+            global_ranks (Sequence[int]): the members, in their order.
+            device (torch.device): where the exchanged tensors live.
+            peers (Iterable[int]): group-local ranks this rank will exchange
+                with.
+
+        Returns:
+            int: how many of them the kept group never exchanged with (all,
+            without a kept group).
+        """
+        key = self._key(global_ranks, device)
+        known = self._peers.get(key, set()) if key in self._groups else set()
+        return len(set(peers) - known)
+
+    def note_peers(
+        self, global_ranks: Sequence[int], device: torch.device, peers: Iterable[int]
+    ) -> None:
+        """Remembers the peers the members' kept group exchanged with."""
+        key = self._key(global_ranks, device)
+        if key in self._groups:
+            self._peers.setdefault(key, set()).update(peers)
+
     def open(
         self,
         global_ranks: Sequence[int],
@@ -736,7 +819,7 @@ class ExchangeGroups:
         The members' group: the kept one when every member agreed to reuse it
         (``reuse`` is its name), else a new one connected under
         ``transaction`` (the one kept before, if any, is aborted: a peer no
-        longer has it).
+        longer has it). Keeping it may evict the least recently used group.
 
         Args:
             global_ranks (Sequence[int]): the members, in their order.
@@ -757,12 +840,27 @@ class ExchangeGroups:
         if kept is not None and reuse and kept.name == reuse:
             group = kept.with_timeout(timeout)
             self._groups[key] = group
+            self._groups.move_to_end(key)
             return group
         if kept is not None:
             self.discard(kept)
         group = self.connect(global_ranks, transaction, timeout, device)
         self.connected += 1
+        self._measured[(len(global_ranks), device.type)] = group.communicator_bytes
         self._groups[key] = group
+        self._peers[key] = set()
+        while len(self._groups) > self.max_groups:
+            evicted_key, evicted = self._groups.popitem(last=False)
+            self._peers.pop(evicted_key, None)
+            self.evicted += 1
+            logger.info(
+                "evicting exchange group %s (%d B of communicator memory): more "
+                "than %d kept",
+                evicted.name,
+                evicted.communicator_bytes,
+                self.max_groups,
+            )
+            evicted.abort()
         return group
 
     def connect(
@@ -819,12 +917,53 @@ class ExchangeGroups:
         for key, kept in list(self._groups.items()):
             if kept.name == group.name:
                 del self._groups[key]
+                self._peers.pop(key, None)
 
-    def close(self) -> None:
-        """Shuts down every kept group (e.g. when the job stops resharding)."""
-        groups, self._groups = list(self._groups.values()), {}
+    def close(self, graceful: bool = False) -> None:
+        """
+        Ends every kept group (e.g. when the job stops resharding). Kept
+        groups have no work pending and their members may have left the job:
+        each is aborted, which waits for nobody (a shutdown would finalize
+        its communicator with peers that may be gone).
+
+        Args:
+            graceful (bool): shut the groups down instead (every member just
+                finished a transaction on them: a group made for it alone).
+
+        Returns:
+            None
+        """
+        groups = list(self._groups.values())
+        self._groups.clear()
+        self._peers.clear()
         for group in groups:
-            group.close()
+            if graceful:
+                group.close()
+            else:
+                group.abort()
+
+
+def kept_exchange_groups(env: Any) -> ExchangeGroups:
+    """
+    The exchange groups a ``ShardingEnv`` keeps for the transactions that
+    name no ``ReshardOptions.exchange_groups``: every module and model
+    sharded over the env (and every move onto its group) shares them, so the
+    default path connects each set of members once, not per transaction;
+    they go with the env (nothing is kept for the process: a job that makes
+    a new env per reshard connects per reshard). Created on first use.
+
+    Args:
+        env (ShardingEnv): the environment of the transaction's model (a
+            move's new one where this rank has it).
+
+    Returns:
+        ExchangeGroups: the env's groups.
+    """
+    groups = env.__dict__.get(_KEPT_GROUPS_ATTRIBUTE)
+    if not isinstance(groups, ExchangeGroups):
+        groups = ExchangeGroups()
+        setattr(env, _KEPT_GROUPS_ATTRIBUTE, groups)
+    return groups
 
 
 def same_kept_group(names: Sequence[str]) -> str:

@@ -104,8 +104,8 @@ class RecordingWork:
 class RecordingGroups(ExchangeGroups):
     """Kept groups (gloo, on the host) whose backends record their calls."""
 
-    def __init__(self, calls: List[str]) -> None:
-        super().__init__()
+    def __init__(self, calls: List[str], max_groups: int = 2) -> None:
+        super().__init__(max_groups)
         self.calls = calls
 
     def connect(
@@ -137,6 +137,8 @@ class CopyParticipant(Participant[Any, Any]):
         calls (List[str]): where it records what it is asked.
         fail (bool): raise after the fill.
         device (Optional[torch.device]): the device it states.
+        owner (Optional[Any]): the env whose kept exchange groups it uses
+            (none: a group of its own).
     """
 
     kind = "copy"
@@ -146,10 +148,12 @@ class CopyParticipant(Participant[Any, Any]):
         calls: List[str],
         fail: bool = False,
         device: Optional[torch.device] = None,
+        owner: Optional[Any] = None,
     ) -> None:
         self.calls = calls
         self.fail = fail
         self._device: torch.device = device or torch.device("cpu")
+        self._owner = owner
         self.old: torch.Tensor = torch.arange(12, dtype=torch.float32).view(4, 3)
         self.new: torch.Tensor = torch.zeros(4, 3)
 
@@ -189,3 +193,6 @@ class CopyParticipant(Participant[Any, Any]):
 
     def device(self) -> torch.device:
         return self._device
+
+    def exchange_groups_owner(self) -> Optional[Any]:
+        return self._owner

@@ -33,7 +33,7 @@ from torchrec.distributed.resharding import (
 from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.resharding.slots import LocalSlot, read_piece
-from torchrec.distributed.resharding.wire import ExchangeGroup
+from torchrec.distributed.resharding.wire import ExchangeGroup, kept_exchange_groups
 from torchrec.distributed.test_utils.reshard_scenario import (
     MIXED_PLAN_A,
     MIXED_PLAN_B,
@@ -123,10 +123,11 @@ def _registry() -> Tuple[int, int, int]:
 
 
 def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> None:
-    """Without kept exchange groups (``ReshardOptions.exchange_groups``) every
-    reshard exchanges on a group of its own, closed afterwards and never
-    registered in torch.distributed: nothing is cached between reshards (or
-    keyed by a group's id)."""
+    """Without ``ReshardOptions.exchange_groups`` the module's ShardingEnv
+    keeps the exchange group (``wire.kept_exchange_groups``): three reshards
+    connect one group, the same on every rank, which stays open for the next
+    and is never registered in torch.distributed (nothing is cached for the
+    process or keyed by a group's id)."""
     with reshard_scenario(rank, world_size, port, 4) as scenario:
         pg, device, env = scenario.pg, scenario.device, scenario.env
         plan_a = scenario.plan(MIXED_PLAN_A)
@@ -153,16 +154,18 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
         ):
             for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):
                 reshard_module(module, delta(old, new), env, device)
-                assert closed == opened, (closed, opened)
+                assert closed == [], closed
                 assert _registry() == registry, (_registry(), registry)
-        assert len(set(opened)) == 3, opened
+        assert len(opened) == 1, opened
+        ranks = dist.get_process_group_ranks(pg)
+        assert kept_exchange_groups(env).kept_name(ranks, device) == opened[0]
         names: List[Any] = [None] * world_size
         dist.all_gather_object(names, opened, group=pg)
         assert all(n == opened for n in names), names
 
 
 class DynamicShardingFaultTest(ReshardTestBase):
-    def test_every_reshard_has_its_own_exchange_group(self) -> None:
+    def test_the_env_keeps_one_exchange_group_for_every_reshard(self) -> None:
         self.run_ranks(_run_exchange_group_per_reshard, 2)
 
     def test_rank_raises_mid_exchange(self) -> None:

@@ -22,16 +22,23 @@ import contextlib
 import dataclasses
 import unittest
 from datetime import timedelta
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Sequence
 from unittest import mock
 
 import torch
+from torchrec.distributed.resharding import wire
+from torchrec.distributed.resharding.device_memory import (
+    NCCL_COMMUNICATOR_BYTES,
+    NCCL_PEER_BYTES,
+)
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
-from torchrec.distributed.resharding.runner import run_transaction
+from torchrec.distributed.resharding.runner import communicator_budget, run_transaction
 from torchrec.distributed.resharding.wire import (
     _pair_order,
     ExchangeGroup,
+    ExchangeGroups,
+    kept_exchange_groups,
     Message,
     normalized_device,
     open_exchange_group,
@@ -46,6 +53,7 @@ from torchrec.distributed.test_utils.transaction_doubles import (
     RecordingBackend,
     RecordingGroups,
 )
+from torchrec.distributed.types import ShardingEnv
 
 
 @contextlib.contextmanager
@@ -66,6 +74,10 @@ def _recording_groups(calls: List[str]) -> Iterator[None]:
             return_value=RecordingGroups(calls),
         ):
             yield
+
+
+TIMEOUT = timedelta(seconds=30)
+CUDA0 = torch.device("cuda", 0)
 
 
 class FailureSemanticsTest(unittest.TestCase):
@@ -101,7 +113,9 @@ class KeptGroupsTest(unittest.TestCase):
             self.assertEqual(b.connect_seconds, 0.0)
             self.assertEqual(calls.count("shutdown") + calls.count("abort"), 0)
             groups.close()
-        self.assertEqual(calls.count("shutdown"), 1)
+        # a kept group's members may be gone: closing aborts it
+        self.assertEqual(calls.count("abort"), 1)
+        self.assertEqual(calls.count("shutdown"), 0)
 
     def test_a_failure_replaces_the_kept_group(self) -> None:
         calls: List[str] = []
@@ -116,8 +130,8 @@ class KeptGroupsTest(unittest.TestCase):
             self.assertEqual(groups.connected, 2)
             self.assertNotEqual(a.exchange_group, c.exchange_group)
             groups.close()
-        self.assertEqual(calls.count("shutdown"), 1)
-        self.assertEqual(calls.count("abort"), 1)
+        self.assertEqual(calls.count("shutdown"), 0)
+        self.assertEqual(calls.count("abort"), 2)
 
     def test_a_new_timeout_reaches_the_kept_backend(self) -> None:
         calls: List[str] = []
@@ -133,11 +147,115 @@ class KeptGroupsTest(unittest.TestCase):
         self.assertIn("set_timeout 40", calls)
         self.assertEqual(groups.connected, 1)
 
+    def test_kept_groups_are_least_recently_used_and_evicted_by_abort(
+        self,
+    ) -> None:
+        calls: List[str] = []
+        groups = _AnyMembers(calls, max_groups=2)
+        cpu = torch.device("cpu")
+        with single_rank_process_group():
+            a = groups.open([0, 1], "a", TIMEOUT, cpu)
+            groups.open([0, 2], "b", TIMEOUT, cpu)
+            # a is used again: b is now the least recently used
+            self.assertIs(groups.open([0, 1], "a2", TIMEOUT, cpu, reuse="a"), a)
+            groups.open([0, 3], "c", TIMEOUT, cpu)
+            self.assertEqual(calls.count("abort"), 1)
+            self.assertEqual(groups.kept_name([0, 2], cpu), "")
+            self.assertEqual(groups.kept_name([0, 1], cpu), "a")
+            self.assertEqual(groups.kept_name([0, 3], cpu), "c")
+            self.assertEqual((groups.connected, groups.evicted), (3, 1))
+            groups.close()
+        self.assertEqual(calls.count("abort"), 3)
+        with self.assertRaises(ValueError):
+            ExchangeGroups(max_groups=0)
+
+    def test_a_connects_memory_is_measured_and_budgets_the_next(self) -> None:
+        calls: List[str] = []
+        groups = _AnyMembers(calls, device=CUDA0, communicator_bytes=1234)
+        with single_rank_process_group():
+            # no group kept, nothing measured: the margin, and every peer new
+            self.assertEqual(
+                communicator_budget(groups, [0, 1, 2], CUDA0, [1, 2]),
+                NCCL_COMMUNICATOR_BYTES + 2 * NCCL_PEER_BYTES,
+            )
+            groups.open([0, 1, 2], "a", TIMEOUT, CUDA0)
+            self.assertEqual(groups.communicator_bytes, 1234)
+            self.assertEqual(groups.measured_bytes(3, CUDA0), 1234)
+            # kept: only the peers it never exchanged with
+            self.assertEqual(
+                communicator_budget(groups, [0, 1, 2], CUDA0, [1, 2]),
+                2 * NCCL_PEER_BYTES,
+            )
+            groups.note_peers([0, 1, 2], CUDA0, [1])
+            self.assertEqual(groups.new_peers([0, 1, 2], CUDA0, [1, 2]), 1)
+            # other members of the same size: the measured connect
+            self.assertEqual(communicator_budget(groups, [0, 2, 1], CUDA0, []), 1234)
+            self.assertEqual(
+                communicator_budget(groups, [0, 1, 2], torch.device("cpu"), [1]), 0
+            )
+            groups.close()
+
+    def test_the_measured_connect_is_the_free_memory_it_took(self) -> None:
+        with (
+            single_rank_process_group(),
+            mock.patch.object(wire, "free_device_bytes", side_effect=[1000, 600]),
+        ):
+            group = open_exchange_group([0], "measured", TIMEOUT)
+            self.assertEqual(group.communicator_bytes, 400)
+            group.close()
+
+    def test_the_default_path_keeps_its_groups_in_the_env(self) -> None:
+        calls: List[str] = []
+        with single_rank_process_group() as pg:
+            env = ShardingEnv.from_process_group(pg)
+            a = run_transaction(CopyParticipant(calls, owner=env))
+            b = run_transaction(CopyParticipant(calls, owner=env))
+            kept = kept_exchange_groups(env)
+            self.assertIs(kept_exchange_groups(env), kept)
+            self.assertEqual(kept.connected, 1)
+            self.assertEqual(a.exchange_group, b.exchange_group)
+            self.assertEqual(b.connect_seconds, 0.0)
+            self.assertEqual(kept.kept_name([0], torch.device("cpu")), a.exchange_group)
+            # another env keeps its own
+            other = ShardingEnv.from_process_group(pg)
+            c = run_transaction(CopyParticipant(calls, owner=other))
+            self.assertNotEqual(c.exchange_group, a.exchange_group)
+            kept.close()
+            kept_exchange_groups(other).close()
+
     def test_ranks_reuse_a_group_only_when_all_kept_it(self) -> None:
         self.assertEqual(same_kept_group(["t3", "t3", "t3"]), "t3")
         self.assertEqual(same_kept_group(["t3", "", "t3"]), "")
         self.assertEqual(same_kept_group(["t3", "t4"]), "")
         self.assertEqual(same_kept_group(["", ""]), "")
+
+
+class _AnyMembers(RecordingGroups):
+    """Kept groups of any members in a one-rank job: each connects the one
+    rank (for real), stated on ``device`` with ``communicator_bytes``."""
+
+    def __init__(
+        self,
+        calls: List[str],
+        max_groups: int = 2,
+        device: torch.device = torch.device("cpu"),
+        communicator_bytes: int = 0,
+    ) -> None:
+        super().__init__(calls, max_groups)
+        self._device = device
+        self._bytes = communicator_bytes
+
+    def connect(
+        self,
+        global_ranks: Sequence[int],
+        transaction: str,
+        timeout: timedelta,
+        device: torch.device,
+    ) -> ExchangeGroup:
+        group = super().connect([0], transaction, timeout, torch.device("cpu"))
+        return dataclasses.replace(
+            group, device=self._device, communicator_bytes=self._bytes
+        )
 
 
 class CoalescingTest(unittest.TestCase):
@@ -246,7 +364,7 @@ class DeviceTest(unittest.TestCase):
                 "slots",
                 "synchronize cuda:1",
                 "commit",
-                "shutdown",
+                "abort",
             ],
         )
 

@@ -104,6 +104,9 @@ CONTRACT: Dict[str, str] = {
     "torch.cuda.max_memory_allocated": "CPU build: 0",
     "torch.cuda.Event": "CPU build: RuntimeError (a dummy class); the load "
     "monitor makes events on CUDA only",
+    "torch.accelerator.empty_host_cache": "() -> None; CPU build: "
+    "RuntimeError 'Cannot access accelerator device'; called only after an "
+    "exchange pinned host memory",
     "torch._C._storage_Use_Count": "(storage._cdata) -> int, the storage's "
     "references",
     "ShardedTensor._init_from_local_shards_and_global_metadata": "(local_shards"
@@ -454,6 +457,8 @@ class CudaOnTheCpuBuildTest(unittest.TestCase):
         self.assertEqual(torch.cuda.max_memory_allocated(cuda), 0)
         with self.assertRaises(RuntimeError):
             torch.cuda.Event(enable_timing=True)
+        with self.assertRaisesRegex(RuntimeError, "accelerator"):
+            torch.accelerator.empty_host_cache()
         # what the package does with a CPU device: none of those calls
         cpu = torch.device("cpu")
         self.assertIsNone(free_device_bytes(cpu))
