@@ -56,6 +56,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     dense_specs,
     MoveFacts,
     plan_layouts,
+    plan_placements,
     ranks_digest,
     tables_digest,
     validate_new_plan,
@@ -361,6 +362,9 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
             self._new,
             merged.fields(),
             dense_bytes=sum(s.nbytes for s in merged.dense),
+            placements=plan_placements(
+                self._new_plan, merged.tables, self._device.type
+            ),
         )
 
     # ------------------------------------------------------------- the build

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+from torchrec.distributed.resharding.device_memory import placement_of, TablePlacement
 from torchrec.distributed.resharding.fields import (
     Field,
     merge_table_facts,
@@ -98,6 +99,40 @@ def plan_layouts(
             ps = plan.plan[path][name]
             layout = layout_from_parameter_sharding(ps, rows, cols, len(ranks))
             out[table_key(path, name)] = layout.remap_ranks(numbering)
+    return out
+
+
+def plan_placements(
+    plan: ShardingPlan,
+    tables: Mapping[str, Sequence[TableShape]],
+    device_type: str,
+) -> Dict[str, TablePlacement]:
+    """
+    Where the kernels a plan builds keep each table's state on a rank with a
+    device of ``device_type`` (the device memory pre-flight's placements).
+
+    Args:
+        plan (ShardingPlan): the new plan.
+        tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
+        device_type (str): this rank's device type.
+
+    Returns:
+        Dict[str, TablePlacement]: "path:table" -> its placement.
+    """
+    out: Dict[str, TablePlacement] = {}
+    for path, shapes in tables.items():
+        for name, _, _ in shapes:
+            ps = plan.plan[path][name]
+            cache = ps.cache_params
+            fused = {}
+            if cache is not None:
+                fused = {
+                    "cache_load_factor": cache.load_factor,
+                    "cache_algorithm": cache.algorithm,
+                }
+            out[table_key(path, name)] = placement_of(
+                ps.compute_kernel, device_type, ps.sharding_type, fused
+            )
     return out
 
 

@@ -80,6 +80,7 @@ from torchrec.distributed.resharding.device_memory import (
     MemoryWatch,
     NCCL_COMMUNICATOR_BYTES,
     NCCL_PEER_BYTES,
+    TablePlacement,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
 from torchrec.distributed.resharding.fields import Field, piece_cost
@@ -176,12 +177,16 @@ class TransactionLayouts:
             each planned table.
         dense_bytes (int): bytes of the dense (replicated) part each rank of
             the new layout receives besides.
+        placements (Mapping[str, TablePlacement]): where each planned
+            table's new kernel keeps its state on this rank (the device
+            memory pre-flight counts by placement; default: the device).
     """
 
     old: Mapping[str, TableLayout]
     new: Mapping[str, TableLayout]
     fields: Mapping[str, Sequence[Field]]
     dense_bytes: int = 0
+    placements: Mapping[str, TablePlacement] = field(default_factory=dict)
 
 
 @dataclass
@@ -605,6 +610,7 @@ def _check_device_memory(
         cap,
         layouts.dense_bytes,
         communicator_budget(groups, ranks, device, peers),
+        layouts.placements,
     )
     free = free_device_bytes(device)
     if free is not None:

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.resharding.adapters import adapter_for
+from torchrec.distributed.resharding.device_memory import placement_of
 from torchrec.distributed.resharding.fields import (
     merge_table_facts,
     table_key,
@@ -294,10 +295,25 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
     def agreed(self, merged: _Decision) -> TransactionLayouts:
         self._decision = merged
         keys = [(m, t, m.key(t)) for m in self._modules for t in m.tables]
+        device_type = self.device().type
+        placements = {
+            m.key(info.embedding_config.name): placement_of(
+                info.param_sharding.compute_kernel,
+                device_type,
+                info.param_sharding.sharding_type,
+                info.fused_params,
+            )
+            for m in self._modules
+            for infos in m.infos.values()
+            for info in infos
+        }
         return TransactionLayouts(
             {key: m.old_layouts[t] for m, t, key in keys},
             {key: m.new_layouts[t] for m, t, key in keys},
             {key: merged.tables.fields_of(key) for _, _, key in keys},
+            placements={
+                key: placements[key] for _, _, key in keys if key in placements
+            },
         )
 
     def deltas(self) -> Dict[str, Dict[str, ParameterSharding]]:

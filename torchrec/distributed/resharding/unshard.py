@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.resharding.device_memory import Placement, TablePlacement
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_movable_kernels,
@@ -32,6 +33,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     DenseSpec,
     MoveFacts,
     plan_layouts,
+    plan_placements,
     tables_digest,
     TableShape,
     validate_new_plan,
@@ -172,10 +174,13 @@ class Unshard(Participant[MoveFacts, AgreedMove]):
             }
         self._fields = fields
         positions = list(range(len(self._ranks)))
+        new = whole_on(merged.tables, self._dst)
         return TransactionLayouts(
             plan_layouts(merged.old_plan, merged.tables, positions),
-            whole_on(merged.tables, self._dst),
+            new,
             fields,
+            # the destination builds plain modules on the host
+            placements={key: TablePlacement(Placement.HOST) for key in new},
         )
 
     def build(self) -> None:
@@ -355,6 +360,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
             plan_layouts(self._plan, merged.tables, positions),
             self._fields,
             dense_bytes=sum(s.nbytes for s in merged.dense),
+            placements=plan_placements(self._plan, merged.tables, self._device.type),
         )
 
     def build(self) -> None:

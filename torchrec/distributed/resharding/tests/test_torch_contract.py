@@ -101,6 +101,7 @@ CONTRACT: Dict[str, str] = {
     "torch.cuda.mem_get_info": "CPU build: AssertionError; called for CUDA "
     "devices only (free_device_bytes(cpu) is None)",
     "torch.cuda.memory_allocated": "CPU build: 0",
+    "torch.cuda.memory_reserved": "CPU build: 0",
     "torch.cuda.max_memory_allocated": "CPU build: 0",
     "torch.cuda.Event": "CPU build: RuntimeError (a dummy class); the load "
     "monitor makes events on CUDA only",
@@ -454,6 +455,7 @@ class CudaOnTheCpuBuildTest(unittest.TestCase):
             with self.assertRaises(AssertionError):
                 call()
         self.assertEqual(torch.cuda.memory_allocated(cuda), 0)
+        self.assertEqual(torch.cuda.memory_reserved(cuda), 0)
         self.assertEqual(torch.cuda.max_memory_allocated(cuda), 0)
         with self.assertRaises(RuntimeError):
             torch.cuda.Event(enable_timing=True)
