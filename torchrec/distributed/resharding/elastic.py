@@ -507,6 +507,9 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     def unchanged(self) -> str:
         return "the model on the old group is unchanged"
 
+    def state_devices(self) -> List[torch.device]:
+        return state_devices(self._device, self.device())
+
     def exchange_groups_owner(self) -> Optional[ShardingEnv]:
         # the env of the group this rank's model lives on afterwards
         if self._new_env is not None:
@@ -521,6 +524,27 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     @property
     def new_model(self) -> Optional[nn.Module]:
         return self._new_model
+
+
+def state_devices(
+    model_device: torch.device, exchange_device: torch.device
+) -> List[torch.device]:
+    """
+    The devices a move must synchronise before it reads or writes kernels:
+    the model's (a move between CPU and GPU ranks exchanges on the host, yet
+    reads and writes this rank's CUDA kernels, which a side stream may still
+    be updating), and the exchange's.
+
+    Args:
+        model_device (torch.device): this rank's model device.
+        exchange_device (torch.device): the move's exchange device.
+
+    Returns:
+        List[torch.device]: each once.
+    """
+    return [model_device] + (
+        [exchange_device] if exchange_device != model_device else []
+    )
 
 
 def move_model(

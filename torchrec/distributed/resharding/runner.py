@@ -350,6 +350,15 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
         """What a failed transaction leaves as it was, for the error message."""
         return "the module is unchanged and keeps its old sharding"
 
+    def state_devices(self) -> List[torch.device]:
+        """
+        The devices of the state the exchange reads and writes, whose queued
+        work must finish first (a pipeline's collectives, an optimizer step on
+        another stream): the exchange's device by default; a move between CPU
+        and GPU ranks exchanges on the host and reads CUDA kernels.
+        """
+        return [self.device()]
+
     def exchange_groups_owner(self) -> Optional[Any]:
         """
         The ``ShardingEnv`` whose kept exchange groups serve the transaction
@@ -725,6 +734,12 @@ class _Exchange:
         self.group_name = ""
         self.communicator_bytes = 0
 
+    def _synchronize(self) -> None:
+        # the state's devices, not only the exchange's: a move between CPU
+        # and GPU ranks exchanges on the host, reading CUDA kernels
+        for device in self._participant.state_devices():
+            synchronize_device(normalized_device(device))
+
     def _gate(self, signal: AbortSignal) -> None:
         """Every rank is alive and here, right before the group connects
         (an NCCL connect has no timeout of its own)."""
@@ -788,7 +803,7 @@ class _Exchange:
         # The device finished what was queued on it (a pipeline's collectives,
         # an optimizer step on another stream) before the exchange reads or
         # writes the kernels' memory.
-        synchronize_device(self._device)
+        self._synchronize()
         self._gate(signal)
         group = self._open(groups, transaction, reuse, signal)
         try:
@@ -810,7 +825,7 @@ class _Exchange:
             # barrier: no collective of the group is left pending on a rank
             # when a peer fails there).
             signal.arrive(AbortSignal.FILLED, self._timeout)
-            synchronize_device(self._device)
+            self._synchronize()
         except Exception as e:
             # the others stop waiting on this rank, NCCL communicators are
             # aborted in an order no watchdog takes for an error of its own

@@ -12,10 +12,15 @@ The exchange group as NCCL needs it, in one process (a one-rank job, whose
 group's backend records what the runner asks of it): a success shuts a
 transaction's group down, a failure aborts it and never shuts it down; kept
 groups (``ExchangeGroups``) connect once and serve the next transactions of
-the same ranks, until a failure aborts and replaces them; a coalesced round
-calls the backend as torch binds it (a real gloo backend, recorded and
-passed through, refuses coalescing); the device is normalised once and
-synchronised before the exchange touches kernel memory and before the commit.
+the same ranks, until a failure aborts and replaces them, at most
+``max_groups`` of them (the least recently used evicted by abort), their
+connects measured and budgeted, kept by the env on the default path; a
+coalesced round calls the backend as torch binds it (a real gloo backend,
+recorded and passed through, refuses coalescing); the device is normalised
+once and
+synchronised before the exchange touches kernel memory and before the commit,
+with the devices of the state it reads (a move between CPU and GPU ranks
+exchanges on the host yet reads CUDA kernels).
 """
 
 import contextlib
@@ -31,6 +36,7 @@ from torchrec.distributed.resharding.device_memory import (
     NCCL_COMMUNICATOR_BYTES,
     NCCL_PEER_BYTES,
 )
+from torchrec.distributed.resharding.elastic import state_devices
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.runner import communicator_budget, run_transaction
@@ -367,6 +373,44 @@ class DeviceTest(unittest.TestCase):
                 "abort",
             ],
         )
+
+
+class _HostExchangeOfCudaState(CopyParticipant):
+    """Exchanges on the host while its state lives on a GPU (a mixed move)."""
+
+    def state_devices(self) -> List[torch.device]:
+        return [torch.device("cuda", 1), self.device()]
+
+
+class MixedDeviceTest(unittest.TestCase):
+    def test_the_state_devices_are_synchronised_not_only_the_exchanges(
+        self,
+    ) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        with (
+            single_rank_process_group(),
+            mock.patch(
+                "torchrec.distributed.resharding.runner.synchronize_device",
+                side_effect=lambda d: calls.append(f"synchronize {d}"),
+            ),
+        ):
+            run_transaction(
+                _HostExchangeOfCudaState(calls), ReshardOptions(exchange_groups=groups)
+            )
+            groups.close()
+        before_exchange = ["synchronize cuda:1", "synchronize cpu"]
+        self.assertEqual(
+            calls,
+            ["build", *before_exchange, "connect", "slots", *before_exchange]
+            + ["commit", "abort"],
+        )
+
+    def test_a_mixed_move_synchronises_the_models_device(self) -> None:
+        cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+        self.assertEqual(state_devices(cuda, cpu), [cuda, cpu])
+        self.assertEqual(state_devices(cuda, cuda), [cuda])
+        self.assertEqual(state_devices(cpu, cpu), [cpu])
 
 
 if __name__ == "__main__":
