@@ -32,6 +32,8 @@ from torchrec.distributed.resharding.rebalance.load import (
     LoadMonitor,
     timer_type,
 )
+from torchrec.distributed.resharding.rebalance.rebalancer import move_seconds
+from torchrec.distributed.resharding.runner import PhaseTimes, TransactionReport
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
@@ -69,6 +71,9 @@ class _HostClockEvent:
 
     def record(self, stream: Any = None) -> None:
         self.at = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.at is not None
 
     def elapsed_time(self, end: "_HostClockEvent") -> float:
         assert self.at is not None and end.at is not None
@@ -141,6 +146,38 @@ class GpuTimingTest(unittest.TestCase):
             self.assertGreater(stats.input_dist_seconds[0], 0.0)
             self.assertGreater(stats.output_dist_seconds[0], 0.0)
             monitor.remove()
+
+    def test_events_are_pooled_and_finished_pairs_read_as_they_come(self) -> None:
+        made: List[_HostClockEvent] = []
+
+        def event(enable_timing: bool = False) -> _HostClockEvent:
+            made.append(_HostClockEvent(enable_timing))
+            return made[-1]
+
+        with mock.patch("torch.cuda.Event", event):
+            timer = _EventTimer()
+            for _ in range(3):
+                timer.start()
+                timer.stop()
+            first = timer.seconds()
+            self.assertEqual(len(made), 6)
+            for _ in range(3):
+                timer.start()
+                timer.stop()
+            # the read events are recorded again, none made
+            self.assertEqual(len(made), 6)
+            self.assertGreaterEqual(timer.seconds(), first)
+            # a long window keeps at most MAX_PENDING unread pairs
+            for _ in range(_EventTimer.MAX_PENDING + 10):
+                timer.start()
+                timer.stop()
+            self.assertLessEqual(len(timer._pairs), _EventTimer.MAX_PENDING)
+            self.assertLessEqual(len(made), 2 * _EventTimer.MAX_PENDING + 4)
+
+    def test_a_reshards_bandwidth_leaves_the_connect_out(self) -> None:
+        report = TransactionReport(phases=PhaseTimes(exchange=3.0), connect_seconds=2.5)
+        self.assertEqual(move_seconds(report), 0.5)
+        self.assertEqual(move_seconds(TransactionReport(connect_seconds=1.0)), 0.0)
 
     def test_counting_a_batch_moves_nothing_between_devices(self) -> None:
         with single_rank_process_group() as pg:

@@ -26,7 +26,15 @@ what each rank spends on its embeddings.
   GPU the hooks record CUDA events on the stream each part runs on (a host
   clock around asynchronous kernels would time their launch); the events are
   read once per window, after one synchronisation in ``collect``, so no step
-  waits for the GPU.
+  waits for the GPU. They frame the work queued on the *current* stream
+  only: a dist's NCCL all-to-all runs on its process group's internal
+  stream, so a dist's seconds on a GPU are its launch-side work (splits,
+  permutes, copies), not the time on the wire, which only the step time
+  holds. Events go to the current device's stream (TorchRec needs
+  ``torch.cuda.set_device`` anyway). A timer's events are pooled, and pairs
+  the device finished are read as the window goes (``Event.query``, which
+  does not wait), so a long window holds a bounded number of them. The
+  variable-batch (VBE) path counts with one ``sum`` per key per forward.
 
 Every ``window`` steps ``LoadMonitor.collect`` packs this rank's counters into
 one flat tensor and all-reduces it once; ``statistics_from_vector`` (pure)
@@ -348,16 +356,21 @@ class _EventTimer(_Timer):
     Accumulates the GPU time between pairs of start/stop calls: each records
     a CUDA event on the current stream (the stream the timed work is queued
     on); the pairs' elapsed times are read by :meth:`seconds` once the device
-    finished them, so no call waits for the GPU.
+    finished them, so no call waits for the GPU. Read events are recorded
+    again (a pool), and beyond :attr:`MAX_PENDING` pairs those the device
+    finished are read at once (``query`` does not wait).
     """
+
+    MAX_PENDING = 256
 
     def __init__(self) -> None:
         super().__init__()
         self._pending: Optional[Any] = None
         self._pairs: List[Tuple[Any, Any]] = []
+        self._free: List[Any] = []
 
     def _event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -368,6 +381,18 @@ class _EventTimer(_Timer):
         if self._pending is not None:
             self._pairs.append((self._pending, self._event()))
             self._pending = None
+            if len(self._pairs) > self.MAX_PENDING:
+                self._read(finished_only=True)
+
+    def _read(self, finished_only: bool) -> None:
+        waiting: List[Tuple[Any, Any]] = []
+        for a, b in self._pairs:
+            if finished_only and not (a.query() and b.query()):
+                waiting.append((a, b))
+                continue
+            self._seconds += a.elapsed_time(b) / 1000.0
+            self._free += [a, b]
+        self._pairs = waiting
 
     def add(self, other: _Timer) -> None:
         assert isinstance(other, _EventTimer)
@@ -375,8 +400,7 @@ class _EventTimer(_Timer):
         other._pairs = []
 
     def seconds(self) -> float:
-        self._seconds += sum(a.elapsed_time(b) for a, b in self._pairs) / 1000.0
-        self._pairs = []
+        self._read(finished_only=False)
         return self._seconds
 
     def reset(self) -> None:

@@ -263,6 +263,20 @@ def _max_rank_bytes(report: TransactionReport) -> int:
     )
 
 
+def move_seconds(report: TransactionReport) -> float:
+    """
+    The seconds a reshard's bytes took: its exchange phase without
+    connecting the exchange group (paid once per kept group, not per byte).
+
+    Args:
+        report (TransactionReport): the reshard's report.
+
+    Returns:
+        float: seconds.
+    """
+    return max(0.0, report.phases.exchange - report.connect_seconds)
+
+
 class Rebalancer:
     """
     Rebalances a ``DistributedModelParallel`` model from its measured load.
@@ -740,7 +754,7 @@ class Rebalancer:
         # the bandwidth from the exchange phase: the agreement and the build
         # cost the same whatever moves
         moved = done.bytes_sent + done.bytes_received
-        self._monitor.record_reshard(moved, done.phases.exchange)
+        self._monitor.record_reshard(moved, move_seconds(done))
         if dense and self._rebuild_optimizer is not None:
             self._rebuild_optimizer(self._model)
         self._state = after_reshard(self.policy, self._state, self._step)

@@ -24,6 +24,7 @@ backend-level or private call that :data:`CONTRACT` does not list.
 
 import dataclasses
 import datetime
+import inspect
 import json
 import os
 import re
@@ -104,7 +105,8 @@ CONTRACT: Dict[str, str] = {
     "torch.cuda.memory_reserved": "CPU build: 0",
     "torch.cuda.max_memory_allocated": "CPU build: 0",
     "torch.cuda.Event": "CPU build: RuntimeError (a dummy class); the load "
-    "monitor makes events on CUDA only",
+    "monitor makes events on CUDA only: Event(enable_timing=True), then "
+    "record(), query() -> bool without waiting, elapsed_time(end) -> ms",
     "torch.accelerator.empty_host_cache": "() -> None; CPU build: "
     "RuntimeError 'Cannot access accelerator device'; called only after an "
     "exchange pinned host memory",
@@ -459,6 +461,15 @@ class CudaOnTheCpuBuildTest(unittest.TestCase):
         self.assertEqual(torch.cuda.max_memory_allocated(cuda), 0)
         with self.assertRaises(RuntimeError):
             torch.cuda.Event(enable_timing=True)
+        # the methods the load monitor calls on a CUDA event, as torch states them
+        for method, params in (
+            ("__new__", ["cls", "enable_timing"]),
+            ("record", ["self", "stream"]),
+            ("query", ["self"]),
+            ("elapsed_time", ["self", "end_event"]),
+        ):
+            signature = inspect.signature(getattr(torch.cuda.Event, method))
+            self.assertEqual(list(signature.parameters)[: len(params)], params)
         with self.assertRaisesRegex(RuntimeError, "accelerator"):
             torch.accelerator.empty_host_cache()
         # what the package does with a CPU device: none of those calls
