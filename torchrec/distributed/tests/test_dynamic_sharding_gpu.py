@@ -19,24 +19,39 @@ One GPU (a one-rank job in this process, NCCL):
   them before) carry those values, equal to a twin trained in HBM (FUSED);
   tables then move FUSED -> FUSED_UVM -> FUSED_UVM_CACHING -> FUSED, each
   step equal to a module sharded directly, and train on alike;
-* the device-memory pre-flight: what a reshard adds on the GPU stays within
-  its bound, the report carries the peak, and a reshard whose bound exceeds
-  the free memory (mem_get_info reporting less) is refused, the module
-  unchanged;
-* the load monitor times with CUDA events and adds no synchronisation to a
-  training step (``torch.cuda.set_sync_debug_mode``).
+* the device-memory pre-flight: what a reshard adds on the GPU (a kept
+  group: no communicator) stays within its bound and is no gross over-count
+  of it, the report carries the peak, and a reshard whose bound exceeds the
+  free memory is refused, the module unchanged; an unshard onto host modules
+  needs no free HBM, where a reshard onto the device is refused;
+* a coalesced NCCL round through ``ExchangeGroup`` (a send and a receive to
+  itself: the one round a single GPU can post);
+* the abort path: a receive nothing matches, the deadline, the group aborted
+  first: the process lives 5 s on and ``exception_dump`` is not on the job's
+  store (with ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=500``);
+* pinned staging: one pooled block, given back to the OS at the end;
+* the load monitor times with CUDA events, which agree with the profiler's
+  kernel times, and adds no synchronisation to a training step
+  (``torch.cuda.set_sync_debug_mode``).
 
 Two GPUs (two ranks, NCCL):
 
 * a rank failing after the fill: every rank raises ReshardAbortedError
-  within the exchange timeout, the processes live on (the group is aborted,
-  NCCL's watchdog never acts), the module is unchanged, and the next reshard
-  connects a new group and goes through;
+  within the exchange timeout, the processes live 5 s on and no
+  ``exception_dump`` is posted (the group is aborted first, NCCL's watchdog
+  never acts), the module is unchanged, and the next reshard connects a new
+  group and goes through;
+* a rank SIGKILLed right after the build's agreement: the other raises
+  ReshardAbortedError at the gate within the exchange timeout and lives on;
 * kept exchange groups: one NCCL communicator serves every reshard;
+* a capped exchange in several NCCL rounds, values exact;
 * unshard and shard-from-rank exchange over NCCL, values exact.
 """
 
 import contextlib
+import dataclasses
+import os
+import time
 import unittest
 import warnings
 from datetime import timedelta
@@ -51,11 +66,23 @@ from torchrec.distributed.resharding import (
     ReshardAbortedError,
     ReshardError,
     ReshardOptions,
+    runner,
     shard_from_rank,
     unshard_model,
 )
+from torchrec.distributed.resharding.exchange import StagingPool
 from torchrec.distributed.resharding.rebalance.load import LoadMonitor
 from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.resharding.wire import (
+    AbortSignal,
+    Message,
+    open_exchange_group,
+)
+from torchrec.distributed.test_utils.killed_rank import (
+    DUMP_WAIT_MS,
+    root_store,
+    run_killed_after_agreement,
+)
 from torchrec.distributed.test_utils.multi_process_utils import free_port
 from torchrec.distributed.test_utils.rebalance_utils import (
     EBC_PATH,
@@ -88,6 +115,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     train_step,
     UVM,
 )
+from torchrec.distributed.test_utils.transaction_doubles import RecordingBackend
 from torchrec.distributed.types import ShardingPlan
 
 ONE_GPU = unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA device")
@@ -184,25 +212,150 @@ class OneGpuTest(unittest.TestCase):
         ) as s:
             a, b = s.plan(specs_a), s.plan(specs_b)
             module = s.shard(a)
+            # the env keeps the exchange group: the measured reshard below
+            # connects nothing (no communicator in its bound)
+            reshard_module(module, delta(a, b), s.env)
+            reshard_module(module, delta(b, a), s.env)
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_allocated(s.device)
             torch.cuda.reset_peak_memory_stats(s.device)  # this test's own figures
             report = reshard_module(module, delta(a, b), s.env)
             self.assertEqual(report.memory_kind, "cuda_allocated")
+            self.assertEqual(report.connect_seconds, 0.0)
             added = report.peak_memory_bytes - before
             self.assertGreater(added, 0)
+            # the bound holds, and is no gross over-count either
             self.assertLessEqual(added, report.estimated_peak_bytes)
+            self.assertLessEqual(report.estimated_peak_bytes, 4 * added + 2**20)
 
             weights = global_weights(module, s.pg)
-            _, total = torch.cuda.mem_get_info(s.device)
-            short = (report.estimated_peak_bytes // 2, total)
-            with mock.patch("torch.cuda.mem_get_info", return_value=short):
+            short = report.estimated_peak_bytes // 2
+            with mock.patch(f"{runner.__name__}.free_device_bytes", return_value=short):
                 with self.assertRaisesRegex(ReshardError, "B short"):
                     reshard_module(module, delta(b, a), s.env)
             after = global_weights(module, s.pg)
             for key in weights:
                 self.assertTrue(torch.equal(weights[key], after[key]), key)
             self.assertEqual(module.module_sharding_plan, b)
+
+    @ONE_GPU
+    def test_a_coalesced_round_sends_to_itself_over_nccl(self) -> None:
+        # the one NCCL round a single GPU can post: a send and a receive to
+        # itself, coalesced through the backend as torch binds it
+        with reshard_scenario(0, 1, free_port()) as s:
+            group = open_exchange_group(
+                [0], "self-send", timedelta(seconds=60), s.device
+            )
+            self.assertTrue(group.coalesced)
+            backend = RecordingBackend(group.backend, [])
+            recorded = dataclasses.replace(group, backend=backend)
+            sent = torch.arange(4096.0, device=s.device)
+            received = torch.zeros_like(sent)
+            recorded.wait(
+                recorded.post(
+                    [
+                        Message(sent, 0, 0, send=True),
+                        Message(received, 0, 0, send=False),
+                    ]
+                )
+            )
+            self.assertTrue(torch.equal(sent, received))
+            names = [name for name, _, _ in backend.log]
+            self.assertEqual(
+                names[:4], ["_start_coalescing", "send", "recv", "_end_coalescing"]
+            )
+            group.close()
+
+    @ONE_GPU
+    def test_an_aborted_group_leaves_the_process_alive_and_posts_no_dump(self) -> None:
+        # what the survivors of a failed exchange go through, on one rank: a
+        # receive nothing matches, the deadline, the abort first; NCCL's
+        # watchdog would post exception_dump before tearing the process down
+        os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = DUMP_WAIT_MS
+        with reshard_scenario(0, 1, free_port()) as s:
+            signal = AbortSignal.of("abort-check", 1, 0)
+            group = open_exchange_group(
+                [0], "abort-check", timedelta(seconds=2), s.device
+            ).with_signal(signal)
+            lone = torch.zeros(16, device=s.device)
+            with self.assertRaises((TimeoutError, RuntimeError)):
+                group.wait(group.post([Message(lone, 0, 0, send=False)]))
+            group.fail("TimeoutError: the check's receive nothing matches")
+            time.sleep(5)  # the process lives on
+            self.assertFalse(
+                root_store(s.pg.get_group_store()).check(["exception_dump"])
+            )
+            t = torch.ones(4, device=s.device)
+            dist.all_reduce(t, group=s.pg)  # the job's own group still works
+            self.assertTrue(torch.equal(t, torch.ones(4, device=s.device)))
+
+    @ONE_GPU
+    def test_an_unshard_onto_host_modules_needs_no_free_hbm(self) -> None:
+        with reshard_scenario(0, 1, free_port()) as s:
+            model, _ = self._model(s.env, FUSED)
+            weights = global_weights(model, s.pg)
+            with mock.patch(f"{runner.__name__}.free_device_bytes", return_value=1):
+                unsharded = unshard_model(model)
+                assert unsharded is not None
+                for key, value in unsharded.modules["ebc"].state_dict().items():
+                    self.assertTrue(
+                        torch.equal(value, weights[f"ebc.{key}"].cpu()), key
+                    )
+                # the same free memory refuses what builds on the device
+                with self.assertRaisesRegex(ReshardError, "B short"):
+                    model.reshard(model_plan(1, 0, "cuda", UVM))
+
+    @ONE_GPU
+    def test_pinned_staging_is_pooled_and_given_back(self) -> None:
+        key = "allocated_bytes.current"
+        torch.accelerator.empty_host_cache()
+        before = torch.cuda.host_memory_stats().get(key, 0)
+        pool = StagingPool()
+        first = pool.take(1 << 20, torch.float32)
+        self.assertTrue(first.is_pinned())
+        pool.reset()
+        again = pool.take(1 << 20, torch.float32)
+        self.assertEqual(again.data_ptr(), first.data_ptr())
+        del first, again
+        pool.release()
+        self.assertEqual(torch.cuda.host_memory_stats().get(key, 0), before)
+
+    @ONE_GPU
+    def test_event_timings_agree_with_the_profiler(self) -> None:
+        with reshard_scenario(0, 1, free_port()) as s:
+            model, optimizer, batches = self._timed_model(s)
+            for batch in batches[:2]:
+                _train_step(model, optimizer, batch.to(s.device))
+            monitor = LoadMonitor.for_model(model)
+            with torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            ) as profile:
+                for batch in batches[2:]:
+                    _train_step(model, optimizer, batch.to(s.device))
+                    monitor.end_step()
+                torch.cuda.synchronize()
+            stats = monitor.collect(s.pg)
+            monitor.remove()
+            kernels = sum(
+                _device_us(e)
+                for e in profile.key_averages()
+                if "embedding" in e.key.lower()
+            )
+            self.assertGreater(kernels, 0)
+            ratio = stats.compute_seconds[0] / (kernels / 1e6)
+            # events frame the kernels and the gaps between them on their
+            # stream: never much less than the kernels' own time
+            self.assertGreater(ratio, 0.5, (stats.compute_seconds[0], kernels))
+            self.assertLess(ratio, 20.0, (stats.compute_seconds[0], kernels))
+
+    def _timed_model(self, s: Any) -> Any:
+        dlrm = rebalance_dlrm(3, 64, 8, torch.device("meta"))
+        ebc = dlrm.model.sparse_arch.embedding_bag_collection
+        specs = {f"t{i}": ("table_wise", 0) for i in range(3)}
+        plan = ShardingPlan({EBC_PATH: make_plan(ebc, specs, 1, 1, FUSED, "cuda")})
+        model, optimizer = rebalance_model(s.env, s.device, plan, 3, 64, 8)
+        return model, optimizer, loaded_batches([[1, 4, 0], [2, 6, 1]] * 3, 0, 64, 5)
 
     @ONE_GPU
     def test_the_load_monitor_adds_no_synchronisation(self) -> None:
@@ -252,11 +405,28 @@ class OneGpuTest(unittest.TestCase):
             monitor.remove()
 
 
+def _train_step(model: Any, optimizer: Any, batch: Any) -> None:
+    optimizer.zero_grad()
+    loss, _ = model(batch)
+    loss.backward()
+    optimizer.step()
+
+
+def _device_us(event: Any) -> float:
+    """A profiler average's device time in microseconds (by torch's name)."""
+    for name in ("device_time_total", "cuda_time_total"):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
 def _raise(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError("injected after the fill")
 
 
 def _run_abort(rank: int, world_size: int, port: str) -> None:
+    # set before any NCCL group reads it: a dump would come within 0.5 s
+    os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = DUMP_WAIT_MS
     with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
         assert s.device.type == "cuda", s.device
         a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
@@ -280,6 +450,9 @@ def _run_abort(rank: int, world_size: int, port: str) -> None:
                 reshard_module(module, delta(b, a), s.env, s.device, options)
             except ReshardAbortedError:
                 outcome = "aborted"
+        # the survivors' processes live on, and no watchdog signalled a dump
+        time.sleep(5)
+        assert not root_store(s.pg.get_group_store()).check(["exception_dump"])
         outcomes: List[Any] = [None] * world_size
         dist.all_gather_object(outcomes, outcome, group=s.pg)
         assert outcomes == ["aborted"] * world_size, outcomes
@@ -308,6 +481,19 @@ def _run_kept_communicator(rank: int, world_size: int, port: str) -> None:
         for key in expected:
             assert torch.equal(weights[key], expected[key]), key
         groups.close()
+
+
+def _run_capped(rank: int, world_size: int, port: str) -> None:
+    with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
+        a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
+        module = s.shard(a)
+        options = ReshardOptions(max_inflight_bytes=4096)
+        report = reshard_module(module, delta(a, b), s.env, s.device, options)
+        assert report.rounds > 1, report.rounds
+        weights = global_weights(module, s.pg)
+        expected = global_weights(s.shard(b), s.pg)
+        for key in expected:
+            assert torch.equal(weights[key], expected[key]), key
 
 
 def _run_unshard_and_shard_from_rank(rank: int, world_size: int, port: str) -> None:
@@ -348,6 +534,21 @@ class TwoGpuTest(ReshardTestBase):
     @TWO_GPUS
     def test_unshard_and_shard_from_rank_over_nccl(self) -> None:
         self.run_ranks(_run_unshard_and_shard_from_rank, 2)
+
+    @TWO_GPUS
+    def test_a_capped_exchange_runs_in_rounds_over_nccl(self) -> None:
+        self.run_ranks(_run_capped, 2)
+
+    @TWO_GPUS
+    def test_a_rank_killed_after_the_build_agreement_fails_the_other_in_time(
+        self,
+    ) -> None:
+        outcomes = run_killed_after_agreement(2, timeout_s=10.0, alive_s=5.0)
+        survivor = outcomes[0]
+        assert survivor is not None
+        self.assertIn("1 of 2 ranks reached the gate barrier", survivor.error)
+        self.assertLess(survivor.seconds, 10.0 + 20.0)
+        self.assertFalse(survivor.dump_key)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,10 @@ bounded, connects included (``wire.AbortSignal``):
 * four gloo ranks: one fails right before the barrier while the others wait
   in it; every survivor raises ReshardAbortedError within seconds of the
   failure (the exchange timeout is 60 s; without the key, a survivor that is
-  no ring neighbour of the failed rank waits it out), the module unchanged.
+  no ring neighbour of the failed rank waits it out), the module unchanged;
+* two processes, one SIGKILLed right after the build's agreement: the other
+  raises ReshardAbortedError at the gate within the exchange timeout, lives
+  on, and no ``exception_dump`` key is on the job's store.
 """
 
 import contextlib
@@ -46,6 +49,7 @@ from torchrec.distributed.resharding.wire import (
     AbortSignal,
     ExchangeGroup,
 )
+from torchrec.distributed.test_utils.killed_rank import run_killed_after_agreement
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
@@ -287,6 +291,21 @@ def _run_survivors_abort_in_seconds(rank: int, world_size: int, port: str) -> No
 class SurvivorsTest(ReshardTestBase):
     def test_survivors_abort_within_seconds_of_a_failure(self) -> None:
         self.run_ranks(_run_survivors_abort_in_seconds, world_size=4)
+
+
+class KilledRankTest(unittest.TestCase):
+    def test_a_rank_killed_after_the_build_agreement_fails_the_others_in_time(
+        self,
+    ) -> None:
+        # gloo here; NCCL where the machine has two GPUs (there
+        # test_dynamic_sharding_gpu runs it too)
+        outcomes = run_killed_after_agreement(2, timeout_s=5.0, alive_s=1.0)
+        survivor = outcomes[0]
+        assert survivor is not None
+        self.assertIn("1 of 2 ranks reached the gate barrier", survivor.error)
+        self.assertIn("module is unchanged", survivor.error)
+        self.assertLess(survivor.seconds, 5.0 + 10.0)
+        self.assertFalse(survivor.dump_key)
 
 
 if __name__ == "__main__":
