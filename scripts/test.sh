@@ -15,11 +15,32 @@ cd "$REPO"
 deselect="$(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' .ci/bases.txt |
     awk -v want="[$BASE]" '/^\[/{on = ($0 == want); next} on && /^!/ {
         printf "%snot %s", (n++ ? " and " : ""), substr($0, 2) }')"
+# pytest keeps the last -k it is given: a -k of the caller is combined with
+# the base's deselects ("(theirs) and (deselects)"), not put in their place.
+user_k=""
+args=()
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -k | --keyword)
+            user_k="${2-}"
+            shift 2 || shift
+            ;;
+        --keyword=*) user_k="${1#--keyword=}"; shift ;;
+        -k?*) user_k="${1#-k}"; shift ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+expr="$deselect"
+if [ -n "$user_k" ] && [ -n "$deselect" ]; then
+    expr="($user_k) and ($deselect)"
+elif [ -n "$user_k" ]; then
+    expr="$user_k"
+fi
 k=()
-if [ -n "$deselect" ]; then
-    k=(-k "$deselect")
+if [ -n "$expr" ]; then
+    k=(-k "$expr")
 fi
 # test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
 exec "$VENV/bin/pytest" -p no:cacheprovider ${k[@]+"${k[@]}"} "$REPO/test" --pyargs \
     torchrec.distributed.tests torchrec.distributed.resharding.tests \
-    torchrec.optim.tests "$@"
+    torchrec.optim.tests ${args[@]+"${args[@]}"}
