@@ -10,8 +10,10 @@
 """
 What connecting the exchange group costs per reshard: a small table-wise
 module is resharded back and forth (``--reshards`` times, after a warm-up),
-once with a new exchange group per reshard (the default) and once with one
-``ExchangeGroups`` kept across the reshards (``ReshardOptions.exchange_groups``).
+once with a new exchange group per reshard (a new ``ExchangeGroups`` in
+``ReshardOptions.exchange_groups`` each time, closed after it) and once the
+default way, where the module's ``ShardingEnv`` keeps the group across the
+reshards (``wire.kept_exchange_groups``).
 Each reshard's report gives the seconds spent connecting the group
 (``connect_seconds``), the exchange phase and the whole reshard; the table
 prints their means on rank 0 and the ratio kept / per reshard.
@@ -48,15 +50,20 @@ def _run_mode(mode: str, args: argparse.Namespace, env: Any, device: Any) -> Dic
     ebc = make_ebc(args.rows, ws)
     plans = [make_plan(ebc, "fused", ws, False), make_plan(ebc, "fused", ws, True)]
     module = shard(ebc, plans[0], env, "fused", "EXACT_SGD", random_init=False)
-    groups = ExchangeGroups() if mode == "kept" else None
-    options = ReshardOptions(exchange_groups=groups)
     rows: List[Dict[str, float]] = []
     current = 0
+    connections = 0
     for rep in range(args.warmup + args.reshards):
         target = 1 - current
         delta = {t: ps for t, ps in plans[target].items() if plans[current][t] != ps}
+        # per reshard: groups of its own, closed after it; kept: the env's
+        groups = ExchangeGroups() if mode == "per_reshard" else None
         dist.barrier()
+        options = ReshardOptions(exchange_groups=groups)
         report = reshard_module(module, delta, env, device, options)
+        connections += report.connect_seconds > 0
+        if groups is not None:
+            groups.close(graceful=True)
         current = target
         if rep >= args.warmup:
             rows.append(
@@ -66,9 +73,6 @@ def _run_mode(mode: str, args: argparse.Namespace, env: Any, device: Any) -> Dic
                     "total": report.seconds,
                 }
             )
-    connections = groups.connected if groups is not None else len(rows) + args.warmup
-    if groups is not None:
-        groups.close()
     return {"mode": mode, "rows": rows, "connections": connections}
 
 
