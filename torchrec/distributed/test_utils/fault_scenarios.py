@@ -58,6 +58,7 @@ from torchrec.distributed.test_utils.fault_worker import (
     LocalState,
     run_job,
     save_record,
+    STORE_PREFIX,
 )
 from torchrec.distributed.test_utils.reshard_model_utils import (
     make_dense_optimizer,
@@ -168,6 +169,8 @@ class _Rank:
     def _lose(self, event: Event) -> None:
         if not event.hang_s:
             die(self.store, self.out_dir, self.result)
+        # hung: the watcher thread still beats, the training thread sleeps
+        self.store.set(f"{STORE_PREFIX}/killed/{self.rank}", repr(time.time()))
         self.result["hung_s"] = event.hang_s
         time.sleep(event.hang_s)
 

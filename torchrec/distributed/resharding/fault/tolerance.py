@@ -297,6 +297,9 @@ class FaultTolerance:
                 self._store, self._keys, self._rank, current, self._options, reason
             )
             report.agree_seconds += time.monotonic() - began
+            # watch the survivors' ring from now: a rank lost during the
+            # recovery is reported in this generation
+            self._detector.watch(membership.generation, membership.members)
             if report.fault is None and membership.fault is not None:
                 report.fault = membership.fault
                 report.detect_seconds = max(
