@@ -22,8 +22,9 @@ Every survivor computes the same plan from the old plan and the lost ranks:
   (its row blocks follow the group size: survivors' rows move among them);
 * a data-parallel table stays data-parallel: every survivor holds it.
 
-Table-row-wise and grid tables need whole hosts and are refused up front
-(:func:`check_recoverable`).
+Table-row-wise and grid tables need whole hosts, and a sharded table of a
+dense kernel keeps its optimizer state in its rank's own dense optimizer:
+both are refused up front (:func:`check_recoverable`).
 """
 
 import dataclasses
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.elastic_plan import plan_layouts, TableShape
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import (
@@ -66,6 +68,14 @@ IN_PLACE_TYPES: Tuple[str, ...] = (
 RECOVERABLE_TYPES: Tuple[str, ...] = IN_PLACE_TYPES + (
     ShardingType.ROW_WISE.value,
     ShardingType.DATA_PARALLEL.value,
+)
+# the kernels whose optimizer state lives with the shard (a sharded table of
+# a dense kernel is trained by each rank's own dense optimizer: its state is
+# on that rank alone, and the dense optimizers of the ranks differ)
+FUSED_KERNELS: Tuple[str, ...] = (
+    EmbeddingComputeKernel.FUSED.value,
+    EmbeddingComputeKernel.FUSED_UVM.value,
+    EmbeddingComputeKernel.FUSED_UVM_CACHING.value,
 )
 
 
@@ -133,6 +143,17 @@ def check_recoverable(plan: ShardingPlan) -> None:
                     f"module '{path}': table '{name}' is {ps.sharding_type}, which "
                     "needs whole hosts: a job that survives a lost rank shards "
                     f"its tables {', '.join(RECOVERABLE_TYPES)}"
+                )
+            if (
+                ps.sharding_type != ShardingType.DATA_PARALLEL.value
+                and ps.compute_kernel not in FUSED_KERNELS
+            ):
+                raise ReshardError(
+                    f"module '{path}': table '{name}' is {ps.sharding_type} with "
+                    f"the '{ps.compute_kernel}' kernel, which each rank's own dense "
+                    "optimizer trains: its state would be lost with the rank; a job "
+                    "that survives a lost rank shards its tables with a fused kernel "
+                    f"({', '.join(FUSED_KERNELS)})"
                 )
 
 
