@@ -13,7 +13,8 @@ process. The oracle is the old plan's layouts read independently: every
 survivor's table-wise and column-wise shard stays on it (renumbered), the
 lost ones go to the least loaded survivor, a row-wise table is split by
 TorchRec's own helper over the survivors, a data-parallel one stays on
-every survivor; a table-row-wise table is refused. A snapshot is preferred
+every survivor; a table-row-wise table, and a sharded table of a dense
+kernel, are refused. A snapshot is preferred
 to a checkpoint, a snapshot of another plan is ignored, checkpoint pieces
 are cut by the new owners and the saved shards, a loss no source covers
 names its tables, and the old layout with the sources tiles every table.
@@ -167,6 +168,12 @@ class RecoveryPlanTest(unittest.TestCase):
             }
         )
         with self.assertRaisesRegex(ReshardError, "table_row_wise"):
+            _recover(plan, [0, 1, 2])
+
+    def test_a_sharded_table_of_a_dense_kernel_is_refused(self) -> None:
+        # its optimizer state lives in its rank's own dense optimizer
+        plan = model_plan(4, 0, kernel="dense")
+        with self.assertRaisesRegex(ReshardError, "'dense' kernel"):
             _recover(plan, [0, 1, 2])
 
 
