@@ -32,6 +32,7 @@ agent would; see docs/faults.md)::
 
     python examples/fault_tolerance_demo.py
     python examples/fault_tolerance_demo.py --source checkpoint --kill-at backward
+    python examples/fault_tolerance_demo.py --pipeline   # TrainPipelineSparseDist
 
 Exit status: 0 when every survivor finished its steps, else 1.
 """
@@ -67,11 +68,16 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.optim.keyed import KeyedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.keyed import (
+    CombinedOptimizer,
+    KeyedOptimizer,
+    KeyedOptimizerWrapper,
+)
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 TABLES = 6
@@ -104,6 +110,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir", default="/tmp/torchrec_fault_demo")
     p.add_argument("--collective-timeout", type=float, default=5.0)
     p.add_argument("--heartbeat-timeout", type=float, default=1.0)
+    p.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="train with TrainPipelineSparseDist (rebuilt on the recovered "
+        "model; its batches in flight are dropped); the kill is then before "
+        "the step",
+    )
     p.add_argument("--deadline", type=float, default=300.0, help="seconds")
     return p.parse_args(argv)
 
@@ -175,6 +188,15 @@ def plan(model: DLRMTrain, world_size: int) -> ShardingPlan:
     return ShardingPlan({"model.sparse_arch.embedding_bag_collection": module_plan})
 
 
+def make_pipeline(model: nn.Module, optimizer: Any) -> TrainPipelineSparseDist:
+    """A pipeline over the model, its fused and its dense optimizer."""
+    return TrainPipelineSparseDist(
+        model,
+        CombinedOptimizer([model.fused_optimizer, optimizer]),
+        torch.device("cpu"),
+    )
+
+
 def make_optimizer(model: nn.Module) -> KeyedOptimizer:
     """Adam for what the fused kernels do not train."""
     return KeyedOptimizerWrapper(
@@ -215,7 +237,10 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, start: float) -> in
         sources=("replica", args.source),
         snapshot_every=args.snapshot_every if args.source == "snapshot" else 0,
     )
-    ft = FaultTolerance(model, make_optimizer(model), make_optimizer, options)
+    pipelined = make_pipeline if args.pipeline else None
+    ft = FaultTolerance(
+        model, make_optimizer(model), make_optimizer, options, make_pipeline=pipelined
+    )
     data = iter(
         RandomRecDataset(
             keys=[f"f{i}" for i in range(TABLES)],
@@ -235,6 +260,9 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, start: float) -> in
         victim = rank == args.victim and step == args.kill_step
         if victim and args.kill_at == "forward":
             die("forward")
+        if ft.pipeline is not None:  # the pipeline draws its own batches
+            loss, _, _ = ft.pipeline.progress(data)  # (loss, logits, labels)
+            return loss
         optimizer.zero_grad()
         loss, _ = model(batch)
         if victim and args.kill_at == "backward":
@@ -249,7 +277,8 @@ def run_rank(rank: int, args: argparse.Namespace, port: int, start: float) -> in
     try:
         while ft.steps < args.steps:
             step = ft.steps
-            batch = next(data)
+            if ft.pipeline is None:
+                batch = next(data)
             loss = ft.step(train_step)
             if len(ft.reports) > seen:
                 seen = len(ft.reports)

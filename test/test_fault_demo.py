@@ -1,7 +1,8 @@
 """The fault-tolerance demo (examples/fault_tolerance_demo.py) end to end, as a
-user runs it: 4 gloo ranks, one killed in the backward of a step, the 3
-others recover (the lost shards from a buddy's snapshot) and finish. (The
-checkpoint source and every other kill point are tested in the package:
+user runs it: 4 gloo ranks train with TrainPipelineSparseDist, one is killed
+in a step, the 3 others recover (the lost shards from a buddy's snapshot),
+rebuild the pipeline on the recovered model and finish. (The checkpoint
+source and every kill point are tested in the package:
 torchrec/distributed/tests/test_fault_tolerance.py.)"""
 
 import subprocess
@@ -13,7 +14,7 @@ DEMO = REPO / "examples" / "fault_tolerance_demo.py"
 
 
 def test_three_ranks_train_on_after_one_is_killed(tmp_path: object) -> None:
-    source, kill_at = "snapshot", "backward"
+    source, kill_at = "snapshot", "forward"
     done = subprocess.run(
         [
             sys.executable,
@@ -30,6 +31,7 @@ def test_three_ranks_train_on_after_one_is_killed(tmp_path: object) -> None:
             "256",
             "--checkpoint-dir",
             str(tmp_path),
+            "--pipeline",
         ],
         cwd=REPO,
         capture_output=True,

@@ -102,7 +102,8 @@ class FaultOptions:
             snapshotted (they need another source).
         max_recoveries (int): a job that loses more ranks in a row (a
             recovery interrupted by another loss counts) stops.
-        name (str): the namespace of the job's store keys.
+        name (str): the namespace of the job's store keys (with the model's
+            group's name).
     """
 
     heartbeat_interval: timedelta = timedelta(milliseconds=200)

@@ -154,8 +154,10 @@ class FaultTolerance:
         )
         self._rank: int = dist.get_rank()
         self._store: dist.Store = job_store()
-        self._keys = StoreKeys(self._options.name)
         group = model._env.process_group
+        # the group's name sets this object's keys apart from another's (one
+        # made later in the job, on a recovered model, say)
+        self._keys = StoreKeys(f"{self._options.name}/{group.group_name}")
         self._group: dist.ProcessGroup = group
         self._set_collective_timeout(group)
         ranks = sorted(dist.get_process_group_ranks(group))
