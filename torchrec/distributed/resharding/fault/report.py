@@ -89,7 +89,7 @@ class RecoveryReport:
         rows = [
             f"lost ranks {list(self.lost_ranks)} (tables {list(self.lost_tables)}), "
             f"members {list(self.members)}, {self.attempts} attempt(s)",
-            f"  detect   {self.detect_seconds:8.3f} s  ({self.reason})",
+            f"  detect   {self.detect_seconds:8.3f} s  ({_short(self.reason)})",
             f"  agree    {self.agree_seconds:8.3f} s",
             f"  group    {self.group_seconds:8.3f} s",
             f"  sources  {self.sources_seconds:8.3f} s",
@@ -101,12 +101,15 @@ class RecoveryReport:
                 f"{self.bytes_by_source.get(source, 0)} B, "
                 f"{self.steps_lost.get(source, 0)} steps lost"
             )
-        first = self.first_step_seconds
-        rows.append(
-            "  first step after "
-            + ("-" if first is None else f"{first:.3f} s from noticing")
-        )
+        if self.first_step_seconds is not None:
+            rows.append(f"  first step {self.first_step_seconds:6.3f} s after noticing")
         return "\n".join(rows)
+
+
+def _short(text: str, limit: int = 100) -> str:
+    """The first line of ``text``, cut at ``limit`` characters."""
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
