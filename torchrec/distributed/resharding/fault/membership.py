@@ -203,6 +203,14 @@ def _propose(
     return pickle.loads(stood)
 
 
+def _decision(
+    store: dist.Store, keys: StoreKeys, generation: int
+) -> Optional[Membership]:
+    """The decision of ``generation``, if one is posted."""
+    key = keys.of(generation, "decision")
+    return pickle.loads(store.get(key)) if store.check([key]) else None
+
+
 def _delete_generation(store: dist.Store, keys: StoreKeys, generation: int) -> None:
     if generation < 0:
         return
@@ -227,9 +235,9 @@ def _coordinate(
     reported = set(fault.stale) if fault is not None else set()
     size = len(current.members)
     while True:
-        decision_key = keys.of(current.generation, "decision")
-        if store.check([decision_key]):
-            return pickle.loads(store.get(decision_key))
+        decided = _decision(store, keys, current.generation)
+        if decided is not None:
+            return decided
         now = time.monotonic()
         present: List[int] = []
         if int(store.add(keys.of(current.generation, "arrived"), 0)) >= size:
@@ -324,10 +332,10 @@ def _await_decision(
     present itself.
     """
     grace = max(1.0, 5 * options.heartbeat_interval.total_seconds())
-    decision_key = keys.of(current.generation, "decision")
     while time.monotonic() < deadline + grace:
-        if store.check([decision_key]):
-            return pickle.loads(store.get(decision_key))
+        decided = _decision(store, keys, current.generation)
+        if decided is not None:
+            return decided
         time.sleep(SLICE_S)
     return _propose(
         store, keys, current, _present(store, keys, current.generation), fault

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.elastic import ModelMove
 from torchrec.distributed.resharding.elastic_plan import (
-    check_movable_kernels,
     dense_specs,
     MoveFacts,
     plan_layouts,
@@ -41,9 +40,7 @@ from torchrec.distributed.resharding.fault.sources import (
     recovery_old_layouts,
 )
 from torchrec.distributed.resharding.model_view import (
-    attached_to_pipeline,
     dense_tensors,
-    model_facts,
     sharded_modules,
     sharded_tables,
 )
@@ -100,16 +97,14 @@ class Recovery(ModelMove):
         # The old group's first rank may be lost: the first survivor states
         # the plan, the tables and the dense part for the old group, which
         # the recovery sees as the survivors.
-        check_movable_kernels(model.plan)
-        facts = model_facts(model)
-        modules = sharded_modules(model.module)
-        facts.has_optimizer = self._optimizer is not None
-        facts.pipelined = [p for p, m in modules.items() if attached_to_pipeline(m)]
+        facts = super()._model_facts(model)
         first = self._me == self._union[0]
         facts.old_ranks = list(self._union) if first else None
         facts.old_plan = model.plan if first else None
         facts.tables = (
-            {path: sharded_tables(m) for path, m in modules.items()} if first else None
+            {p: sharded_tables(m) for p, m in sharded_modules(model.module).items()}
+            if first
+            else None
         )
         facts.dense = dense_specs(dense_tensors(model.module)) if first else None
         # the fields of lost tables come with the pieces this rank provides
