@@ -55,10 +55,15 @@ class KeptBatchKey:
         user (Any): the user's own batch key, kept (None for none).
         runs (Tuple[RunId, ...]): the runs the table's shards are in, on every
             rank: tables of equal runs share kernels, others do not.
+        path (str): the sharded module's path: runs are numbered per module,
+            so two modules' runs of equally named tables (an EBC's and an
+            EC's "t1", say) have equal ``runs``, and only the path tells
+            whose storage a new kernel takes over.
     """
 
     user: Any
     runs: Tuple[RunId, ...]
+    path: str = ""
 
 
 def user_batch_key(fused_params: Optional[Mapping[str, Any]]) -> Any:
@@ -204,7 +209,9 @@ def batch_keys(
     keys: Dict[str, Dict[str, KeptBatchKey]] = {}
     for path, tables in sorted(runs.items()):
         path_keys = {
-            table: KeptBatchKey(user_keys.get(path, {}).get(table), tuple(sorted(ids)))
+            table: KeptBatchKey(
+                user_keys.get(path, {}).get(table), tuple(sorted(ids)), path
+            )
             for table, ids in tables.items()
         }
         kernels: Dict[Tuple[str, int], Set[Any]] = {}
@@ -350,7 +357,7 @@ class KeptGrouping(ShardingBuildHooks):
         if key is None:
             return fused_params
         user = user_batch_key(fused_params)
-        return with_batch_key(fused_params, KeptBatchKey(user, key.runs))
+        return with_batch_key(fused_params, KeptBatchKey(user, key.runs, key.path))
 
     def sharded_tensors_from_metadata(self) -> bool:
         return self._from_metadata

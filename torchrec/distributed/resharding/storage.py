@@ -107,10 +107,11 @@ class KeptStorage(KernelBuildHooks):
     ) -> None:
         keys = keys or {}
         self._reuse = reuse
-        # the runs of a batch key -> (old kernel, first position, shards) of
-        # each kept run, a run split where its tables' keys differ
+        # (module path, the runs of a batch key) -> (old kernel, first
+        # position, shards) of each kept run, a run split where its tables'
+        # keys differ
         self._runs: Dict[
-            Tuple[RunId, ...], List[Tuple[nn.Module, int, List[ShardKey]]]
+            Tuple[str, Tuple[RunId, ...]], List[Tuple[nn.Module, int, List[ShardKey]]]
         ] = {}
         for run in runs:
             table_keys = keys.get(run.path, {})
@@ -120,7 +121,7 @@ class KeptStorage(KernelBuildHooks):
                 if i < len(run.shards) and table_keys.get(run.shards[i][0]) == key:
                     continue
                 if key is not None:
-                    self._runs.setdefault(key.runs, []).append(
+                    self._runs.setdefault((run.path, key.runs), []).append(
                         (run.kernel, run.first + start, run.shards[start:i])
                     )
                 start = i
@@ -177,7 +178,7 @@ class KeptStorage(KernelBuildHooks):
         if not isinstance(key, KeptBatchKey):
             return None
         shards = [shard_key(t) for t in tables]
-        for kernel, first, run in self._runs.get(key.runs, []):
+        for kernel, first, run in self._runs.get((key.path, key.runs), []):
             if run == shards and type(kernel) is kernel_type:
                 return kernel, first, len(shards)
         return None

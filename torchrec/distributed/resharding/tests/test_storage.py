@@ -10,7 +10,8 @@
 """
 One-process tests of ``kept_grouping``: the batch keys that give runs of kept
 shards kernels of their own (the same on every rank, keeping the user's own
-key), the cap on kernels per group, and the keys a rebuilt group's tables get;
+key, and each module's runs apart from another's of equally named tables),
+the cap on kernels per group, and the keys a rebuilt group's tables get;
 and of ``retired``'s holders: they are every reference a sharded module holds
 to its kernels' storage. (The release of pages itself is tested in
 test_memory.py.)
@@ -29,6 +30,7 @@ from torchrec.distributed.resharding.kept_grouping import (
     batch_keys,
     KeptBatchKey,
     KeptGrouping,
+    KeptRun,
     key_rebuilt_groups,
     MAX_KERNELS_PER_GROUP,
     user_batch_key,
@@ -41,7 +43,9 @@ from torchrec.distributed.resharding.retired import (
     module_holders,
     tensors_per_storage,
 )
+from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.test_utils.multi_process_utils import (
+    grouped_config,
     single_rank_process_group,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
@@ -54,6 +58,10 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 TW = "table_wise"
+
+
+class _Kernel:
+    """An old kernel, as a run of kept shards names it."""
 
 
 def _info(name: str, batch_key: Any = None) -> EmbeddingShardingInfo:
@@ -79,14 +87,36 @@ class BatchKeysTest(unittest.TestCase):
         runs = [(0, {"m": [["a", "b"]]}), (1, {"m": [["b"], ["c"]]})]
         placements = {"m": {t: (TW, (0, 1)) for t in "abcd"}}
         keys = batch_keys(runs, placements, {"m": {"a": "user"}})
-        self.assertEqual(keys["m"]["a"], KeptBatchKey("user", ((0, 0),)))
-        self.assertEqual(keys["m"]["b"], KeptBatchKey(None, ((0, 0), (1, 0))))
-        self.assertEqual(keys["m"]["c"], KeptBatchKey(None, ((1, 1),)))
+        self.assertEqual(keys["m"]["a"], KeptBatchKey("user", ((0, 0),), "m"))
+        self.assertEqual(keys["m"]["b"], KeptBatchKey(None, ((0, 0), (1, 0)), "m"))
+        self.assertEqual(keys["m"]["c"], KeptBatchKey(None, ((1, 1),), "m"))
         self.assertNotIn("d", keys["m"])  # changed: no key of a run
         # the same facts in another order give the same keys
         self.assertEqual(
             batch_keys(list(reversed(runs)), placements, {"m": {"a": "user"}}), keys
         )
+
+    def test_equally_named_tables_of_two_modules_keep_their_own_storage(
+        self,
+    ) -> None:
+        # an EBC's and an EC's table "t1", each the first run of its module on
+        # rank 0: equal runs, and only the module's path tells whose kernel a
+        # new kernel takes over (it took the other's storage before)
+        runs = [(0, {"ebc": [["t1"]], "ec": [["t1"]]})]
+        placements = {p: {"t1": (TW, (0,))} for p in ("ebc", "ec")}
+        keys = batch_keys(runs, placements, {})
+        self.assertNotEqual(keys["ebc"]["t1"], keys["ec"]["t1"])
+        kernels = {p: _Kernel() for p in ("ebc", "ec")}
+        shards = [("t1", (0, 0))]
+        storage = KeptStorage(
+            runs=[KeptRun(p, kernels[p], 0, shards) for p in ("ec", "ebc")],
+            keys=keys,
+        )
+        for path in ("ebc", "ec"):
+            config = grouped_config(["t1"], {BATCH_KEY: keys[path]["t1"]})
+            found = storage._kept_run(config, _Kernel)
+            self.assertIsNotNone(found)
+            self.assertIs(found[0], kernels[path], path)
 
     def test_too_many_kernels_give_no_keys(self) -> None:
         names = [f"t{i}" for i in range(MAX_KERNELS_PER_GROUP + 1)]
@@ -128,7 +158,7 @@ class KeyRebuiltGroupsTest(unittest.TestCase):
         }
         self.assertEqual(keys["a"], kept)
         self.assertIsNone(keys["b"])  # a stale key of a run is dropped
-        self.assertEqual(keys["c"], KeptBatchKey("user", ((0, 0),)))
+        self.assertEqual(keys["c"], KeptBatchKey("user", ((0, 0),)))  # path kept
         self.assertIs(infos["row_wise"][0], untouched)  # not rebuilt
         self.assertEqual(infos[TW][0].fused_params["learning_rate"], 0.1)
 
