@@ -6,27 +6,28 @@ The checks run from this environment's interpreter with the stack's tree
 first on ``sys.path`` (its torch and fbgemm serve every base). Bounded to
 fit CI's budget on 2 cores:
 
-- torchrec 1.1.0, the seed's base: every entry's tests at its commit (so every
-  in-package test runs once more, on 1.1.0, at the commit that introduces it);
-- torchrec 1.9.2 and 1.8.0: the fork imports at every commit (a commit that
+- torchrec 1.9.2, the default base, whose patches are the shared ones (and,
+  through it, upstream main's): every entry's tests at its commit (so every
+  in-package test runs once more, on 1.9.2, at the commit that introduces it);
+- torchrec 1.8.0 and 1.1.0: the fork imports at every commit (a commit that
   changes no module imports as the one before it did), and the tests run at
-  the commits whose change differs from the neighbouring base's (a variant of
-  its own, or an entry the other base lacks): 1.9.2 against 1.8.0, 1.8.0
-  against 1.9.2. Every other commit of theirs is the same
-  change as on that neighbour, and the installed suites (1.9.2's in full,
-  1.8.0's subset, .ci/bases.txt) test where the stacks end.
+  the commits whose change differs from 1.9.2's (a variant of their own, or
+  an entry 1.9.2 lacks). Every other commit of theirs is the same change as
+  on 1.9.2, and the installed suites (.ci/bases.txt) test where the stacks
+  end. main, a target, is bisect-checked from a clone of upstream
+  (tools/fork.py --base main bisect-check).
 """
 
 from pathlib import Path
 from typing import List, Optional
 
 import pytest
-from conftest import REPO
+from conftest import release_versions, REPO
 from tools import forklib, stack
 
 #: base -> the base whose commits its bisect check does not run again (None:
 #: run every entry's tests).
-BISECT_PLAN = {"1.1.0": None, "1.8.0": "1.9.2", "1.9.2": "1.8.0"}
+BISECT_PLAN = {"1.1.0": "1.9.2", "1.8.0": "1.9.2", "1.9.2": None}
 
 
 def insert_below_entry(repo: Path, name: str, lines: List[str]) -> None:
@@ -55,7 +56,7 @@ def deselected(version: str) -> List[str]:
 
 @pytest.mark.parametrize("version", sorted(BISECT_PLAN, key=forklib.version_key))
 def test_every_commit_of_the_stack_works_on_its_own(version: str) -> None:
-    assert set(BISECT_PLAN) == {b.version for b in forklib.load_bases(REPO)}
+    assert set(BISECT_PLAN) == set(release_versions())
     other: Optional[str] = BISECT_PLAN[version]
     lines: List[str] = []
     names = deselected(version)
