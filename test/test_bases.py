@@ -262,6 +262,27 @@ def test_a_target_variant_must_make_the_same_change(repo_copy: Path) -> None:
     assert any("a target's variant makes the change" in p for p in problems), problems
 
 
+def test_a_target_variant_may_bring_a_fix_the_target_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """main lacks a fix of upstream's that the 1.9.2 wheel has
+    (collective_utils.py broadcasts from a global rank there): main's
+    variant of fix-broadcast-source-on-subgroup changes that file too. A
+    variant may change more than the patch it stands in for only in files
+    main has with other content than 1.9.2."""
+    name = "fix-broadcast-source-on-subgroup.patch"
+    variant = REPO / "patches" / "base-main" / name
+    rel = "torchrec/distributed/collective_utils.py"
+    assert rel in forklib.changed_lines_by_file(forklib._split_header(variant)[1])
+    monkeypatch.setenv(forklib.BASE_ENV, "main")
+    differing = forklib.target_differing_files(REPO)
+    assert rel in differing
+    shared = REPO / "patches" / name
+    assert forklib.target_variant_problems(variant, shared, differing) == []
+    (problem,) = forklib.target_variant_problems(variant, shared, set())
+    assert f"it also changes {rel}" in problem
+
+
 def test_main_variants_carry_mains_blob_ids(
     monkeypatch: pytest.MonkeyPatch, repo_copy: Path
 ) -> None:

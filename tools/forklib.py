@@ -615,7 +615,9 @@ def series_problems(repo: Path = REPO_ROOT) -> List[str]:
                     f"the diff differs; delete it"
                 )
             elif base.is_target:
-                problems += target_variant_problems(path, other)
+                with selected_base(base.version):
+                    differing = target_differing_files(repo)
+                problems += target_variant_problems(path, other, differing)
     return problems
 
 
@@ -634,26 +636,39 @@ def changed_lines_by_file(diff: str) -> Dict[str, List[str]]:
     return lines
 
 
-def target_variant_problems(variant: Path, other: Path) -> List[str]:
+def target_variant_problems(
+    variant: Path, other: Path, differing: Optional[Set[str]] = None
+) -> List[str]:
     """
     A target's variant (main's, say) must make the change of the patch it
     stands in for, only against other code around it: the same lines added
-    and removed in the same files. Without upstream's files of the target
-    at hand (CI), the target's stack is then built with the patch it
-    stands in for (see :func:`is_stand_in`), and what it checks holds for
-    the variant too.
+    and removed in each file that patch changes. It may also change files
+    the target has with other content than the release it is on
+    (``differing``: a fix of upstream's the release has and the target
+    lacks, say), and no others. Without upstream's files of the target at
+    hand (CI), the target's stack is built with the patch it stands in for
+    (see :func:`is_stand_in`), and what it checks holds for the variant
+    too; the changes to the other files are checked by their blob ids
+    (:func:`target_blob_problems`).
 
     Returns:
         List[str]: one message when they differ (empty when they do not).
     """
     mine = changed_lines_by_file(_split_header(variant)[1])
     theirs = changed_lines_by_file(_split_header(other)[1])
-    if variant.read_text().startswith("Subject:") or mine != theirs:
+    extra = set(mine) - set(theirs) - (differing or set())
+    if (
+        variant.read_text().startswith("Subject:")
+        or any(mine.get(rel) != lines for rel, lines in theirs.items())
+        or extra
+    ):
         return [
             f"{variant.parent.name}/{variant.name}: a target's variant makes "
             f"the change of {other.parent.name}/{other.name} against other "
-            f"context (the same lines added and removed, no Subject: of its "
-            f"own): it differs"
+            f"context (the same lines added and removed in its files, and "
+            f"changes only to files the target has with other content; no "
+            f"Subject: of its own): it differs"
+            + (f" (it also changes {', '.join(sorted(extra))})" if extra else "")
         ]
     return []
 
@@ -1346,6 +1361,25 @@ def upstream_problems(
     return problems
 
 
+def target_differing_files(repo: Path = REPO_ROOT) -> Set[str]:
+    """
+    The files the selected target's tree has with other content than the
+    wheel of the release it is on (empty for a release): where its stand-in
+    differs from it (see :func:`is_stand_in`).
+    """
+    base = load_base(repo)
+    if not base.is_target:
+        return set()
+    upstream = load_upstream_tree(repo)
+    with selected_base(base.on or ""):
+        release = wheel_contents(fetch_base_wheel(repo))
+    return {
+        rel
+        for rel, data in release.items()
+        if rel in upstream.blobs and git_blob_id(data) != upstream.blobs[rel]
+    }
+
+
 def target_blob_problems(repo: Path, upstream: UpstreamTree) -> List[str]:
     """
     On a target (see :attr:`BaseSpec.is_target`), for each file that
@@ -1366,16 +1400,7 @@ def target_blob_problems(repo: Path, upstream: UpstreamTree) -> List[str]:
     base = load_base(repo)
     if not base.is_target:
         return []
-    with selected_base(base.on or ""):
-        release = {
-            rel: git_blob_id(data)
-            for rel, data in wheel_contents(fetch_base_wheel(repo)).items()
-        }
-    current = {
-        rel: blob
-        for rel, blob in upstream.blobs.items()
-        if rel in release and release[rel] != blob
-    }
+    current = {rel: upstream.blobs[rel] for rel in target_differing_files(repo)}
     problems: List[str] = []
     for entry in parse_series(repo):
         patch = load_patch(repo, entry.name, stand_in=False)
