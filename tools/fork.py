@@ -17,7 +17,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -457,8 +457,8 @@ def cmd_stack(args: argparse.Namespace) -> int:
         commits = st.build_stack_repo(Path(tmp) / "tree", args.repo)
     if fl.is_stand_in(args.repo):
         print(
-            f"on {fl.describe_base(args.repo)}: the sizes are the target's (its "
-            f"variants make the same changes)",
+            f"on {fl.describe_base(args.repo)}: the sizes are the target's but "
+            f"for what its variants add in files it has with other content",
             file=sys.stderr,
         )
     print(st.stack_table(commits))
@@ -511,10 +511,17 @@ def cmd_absorb(args: argparse.Namespace) -> int:
 def cmd_bisect_check(args: argparse.Namespace) -> int:
     """Check every commit of the stack on its own."""
     fl.require_own_files(args.repo, "bisect-check")
-    run_tests = None
+    wanted: Optional[Set[str]] = None
     if args.differing_from:
-        differing = set(st.entries_differing_from(args.repo, args.differing_from))
-        run_tests = lambda entry: entry.name in differing  # noqa: E731
+        wanted = set(st.entries_differing_from(args.repo, args.differing_from))
+    if args.unverified:
+        done = set(st.verified_entries(args.repo, args.unverified))
+        stack_names = {e.name for e in fl.load_stack(args.repo)}
+        wanted = (stack_names if wanted is None else wanted) - done
+    run_tests = None
+    if wanted is not None:
+        chosen = wanted
+        run_tests = lambda entry: entry.name in chosen  # noqa: E731
     results = st.bisect_check(
         args.repo,
         only=args.entry or None,
@@ -527,6 +534,9 @@ def cmd_bisect_check(args: argparse.Namespace) -> int:
     failed = [r for r in results if not r.ok]
     for result in failed:
         print(f"\n==== {result.name}: {result.reason}\n{result.output[-6000:]}")
+    if args.record:
+        recorded = st.record_verified(args.repo, args.record, results)
+        print(f"recorded {len(recorded)} entries whose tests passed in {args.record}")
     total = sum(r.seconds for r in results)
     print(
         f"{len(results) - len(failed)} of {len(results)} commit(s) pass their own "
@@ -789,6 +799,21 @@ def build_parser() -> argparse.ArgumentParser:
         "the one they make on base VERSION (a variant, or an entry VERSION "
         "lacks); at the others only import the fork (for a base whose every "
         "other commit VERSION's full check covers)",
+    )
+    p.add_argument(
+        "--unverified",
+        type=Path,
+        metavar="FILE",
+        help="run the tests only of the entries whose own commit is not the one "
+        f"FILE records as passing on this base (CI: {st.VERIFIED_FILE}); with "
+        "--differing-from, of those that are both",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="record in FILE the entries whose tests ran and passed (by a "
+        "fingerprint of their own commit on this base), for --unverified",
     )
     p.add_argument(
         "pytest_args",

@@ -16,6 +16,7 @@ introduced earlier. From it this module
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -1013,6 +1014,83 @@ def entries_differing_from(repo: Path, version: str) -> List[str]:
     with fl.selected_base(version):
         theirs = {e.name: e.patch.source for e in fl.load_stack(repo)}
     return [name for name, source in mine.items() if theirs.get(name) != source]
+
+
+#: Where the bisect checks record the entries whose tests passed at their
+#: commit, by fingerprint (see :func:`entry_fingerprints`), per base.
+VERIFIED_FILE: str = ".ci/bisect-verified.json"
+
+
+def entry_fingerprints(repo: Path = fl.REPO_ROOT) -> Dict[str, str]:
+    """
+    A fingerprint of each entry's own commit on the selected base: the
+    base (its wheel's sha256, or the commit of upstream's tree), the diff to
+    upstream files it reads there, its overlay diff, the files it writes
+    with their content at that commit, and the upstream files it deletes.
+    It changes when the entry itself does, not when an earlier one does
+    (a full bisect check, before a release, covers those).
+
+    Returns:
+        Dict[str, str]: entry name -> sha256 (hex).
+    """
+    base = fl.load_base(repo)
+    where = base.sha256 or fl.load_upstream_tree(repo).commit
+    stack = fl.load_stack(repo)
+    prints: Dict[str, str] = {}
+    for entry, writes in zip(stack, fl.stack_file_versions(repo, stack)):
+        digest = hashlib.sha256()
+        for part in (base.version, where, entry.name, entry.patch.diff):
+            digest.update(part.encode() + b"\0")
+        digest.update(entry.overlay_diff.encode() + b"\0")
+        for rel in sorted(writes):
+            digest.update(rel.encode() + b"\0" + writes[rel] + b"\0")
+        for rel in entry.deletes:
+            digest.update(b"-" + rel.encode() + b"\0")
+        prints[entry.name] = digest.hexdigest()
+    return prints
+
+
+def load_verified(path: Path) -> Dict[str, Dict[str, str]]:
+    """The recorded fingerprints (base -> entry -> fingerprint); empty when
+    the file does not exist."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def verified_entries(repo: Path, path: Path) -> List[str]:
+    """The entries of the selected base whose own commit is the one whose
+    tests passed when the bisect check last recorded them in ``path``."""
+    recorded = load_verified(path).get(fl.load_base(repo).version, {})
+    return [
+        name
+        for name, print_ in entry_fingerprints(repo).items()
+        if recorded.get(name) == print_
+    ]
+
+
+def record_verified(
+    repo: Path, path: Path, results: Sequence["BisectResult"]
+) -> List[str]:
+    """
+    Record in ``path`` the fingerprints of the entries whose tests ran and
+    passed at their commit on the selected base (``results`` of
+    :func:`bisect_check`); entries no longer in the stack are dropped, the
+    other bases' records are kept.
+
+    Returns:
+        List[str]: the entries recorded.
+    """
+    version = fl.load_base(repo).version
+    prints = entry_fingerprints(repo)
+    data = load_verified(path)
+    mine = {n: p for n, p in data.get(version, {}).items() if prints.get(n) == p}
+    recorded = [r.name for r in results if r.ok and not r.reason]
+    mine.update({name: prints[name] for name in recorded})
+    data[version] = {name: mine[name] for name in prints if name in mine}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return recorded
 
 
 def bisect_check(
