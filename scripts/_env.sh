@@ -7,9 +7,13 @@
 #   TORCHREC_FORK_BASE   the upstream base of base.json to build on (default: its
 #                        "default"; e.g. 1.1.0 builds the fork on torchrec 1.1.0)
 #   TORCHREC_FORK_VENV   virtualenv to use (default: <repo>/.venv, and
-#                        <repo>/.venv-<base> for a base other than the default)
-#   TORCHREC_FORK_STACK  cpu (default) or cuda: requirements/<stack>.txt, plus
-#                        what the base's wheel needs (base.json's "requires")
+#                        <repo>/.venv-<base> for a base other than the default;
+#                        a stack other than cpu and cuda adds -<stack>, e.g.
+#                        .venv-torch2.14)
+#   TORCHREC_FORK_STACK  cpu (default), cuda or torch2.14 (the stack
+#                        `pip install torchrec==1.9.2` resolves: torch 2.14.1,
+#                        fbgemm 1.9.0): requirements/<stack>.txt, plus what
+#                        the base's wheel needs (base.json's "requires")
 #   PYTHON               interpreter that creates the venv (default: python3.11
 #                        if present, else python3; must be 3.11)
 set -euo pipefail
@@ -25,6 +29,11 @@ wanted = sys.argv[2] or data["default"]
 bases = {b["version"]: b for b in data["bases"]}
 if wanted not in bases:
     sys.exit(f"[torchrec-fork] no base {wanted} in base.json ({', '.join(bases)})")
+if bases[wanted].get("on"):
+    sys.exit(
+        f"[torchrec-fork] {wanted} is upstream's git tree, a target of the export: "
+        f"nothing installs it (tools/fork.py --base {wanted} check, export)"
+    )
 print(data["default"])
 print(wanted)
 print(" ".join(bases[wanted].get("requires", [])))
@@ -36,10 +45,16 @@ BASE="$(sed -n 2p <<<"$BASE_INFO")"
 BASE_REQUIRES="$(sed -n 3p <<<"$BASE_INFO")"
 STACK="${TORCHREC_FORK_STACK:-cpu}"
 REQS="$REPO/requirements/$STACK.txt"
+# cpu and cuda are one machine's stack each (.venv); another stack is a lane
+# beside them on the same machine: a venv of its own
+case "$STACK" in
+    cpu | cuda) stack_suffix="" ;;
+    *) stack_suffix="-$STACK" ;;
+esac
 if [ "$BASE" = "$DEFAULT_BASE" ]; then
-    VENV="${TORCHREC_FORK_VENV:-$REPO/.venv}"
+    VENV="${TORCHREC_FORK_VENV:-$REPO/.venv$stack_suffix}"
 else
-    VENV="${TORCHREC_FORK_VENV:-$REPO/.venv-$BASE}"
+    VENV="${TORCHREC_FORK_VENV:-$REPO/.venv-$BASE$stack_suffix}"
 fi
 # setup.py and tools/fork.py read it: build this base
 export TORCHREC_FORK_BASE="$BASE"

@@ -6,14 +6,21 @@
 # (pytest --pyargs torchrec.distributed.tests ...). Extra arguments go to pytest.
 #
 # TORCHREC_FORK_BASE=VERSION runs them on another base of base.json (its own
-# venv, .venv-VERSION); .ci/run says what CI runs on each base. The tests
-# .ci/bases.txt deselects on the base ('!NAME' lines of its section, each with
-# its reason) are deselected here too.
+# venv, .venv-VERSION), TORCHREC_FORK_STACK=torch2.14 on the stack users
+# install (.venv-torch2.14); .ci/run says what CI runs on each. The tests
+# .ci/bases.txt deselects on the base ('!NAME' lines of its section, or of
+# the base's section on that stack, each with its reason) are deselected
+# here too.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 cd "$REPO"
+# the section of the base, or of the base on this stack ("[1.9.2 torch2.14]")
+section="$BASE"
+if grep -q "^\[$BASE $STACK\]" .ci/bases.txt; then
+    section="$BASE$STACK"
+fi
 deselect="$(sed -e 's/#.*//' -e 's/[[:space:]]//g' -e '/^$/d' .ci/bases.txt |
-    awk -v want="[$BASE]" '/^\[/{on = ($0 == want); next} on && /^!/ {
+    awk -v want="[$section]" '/^\[/{on = ($0 == want); next} on && /^!/ {
         printf "%snot %s", (n++ ? " and " : ""), substr($0, 2) }')"
 # pytest keeps the last -k it is given: a -k of the caller is combined with
 # the base's deselects ("(theirs) and (deselects)"), not put in their place.

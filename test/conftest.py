@@ -100,7 +100,18 @@ def run_fork(
 
 
 @pytest.fixture
-def oldest_base(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Select the oldest base, whose patches are the shared ones in patches/
+def default_base(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Select the default base, whose patches are the shared ones in patches/
     (a test names another base with --base)."""
-    monkeypatch.setenv(forklib.BASE_ENV, forklib.load_bases(REPO)[0].version)
+    default = next(b for b in forklib.load_bases(REPO) if b.default)
+    monkeypatch.setenv(forklib.BASE_ENV, default.version)
+
+
+def release_versions() -> List[str]:
+    """The releases of base.json (its bases with a wheel), oldest first."""
+    return [b.version for b in forklib.load_bases(REPO) if not b.is_target]
+
+
+def all_versions() -> List[str]:
+    """Every base of base.json: the releases, then the targets (main)."""
+    return [b.version for b in forklib.load_bases(REPO)]

@@ -1,32 +1,39 @@
-"""Every commit of the stack works on its own, on every base: at each entry of
-patches/series the fork imports and the entry's own tests pass
+"""Every commit of the stack works on its own, on every release: at each entry
+of patches/series the fork imports and the entry's own tests pass
 (``tools/fork.py bisect-check``).
 
 The checks run from this environment's interpreter with the stack's tree
 first on ``sys.path`` (its torch and fbgemm serve every base). Bounded to
-fit CI's budget on 2 cores:
+fit CI's budget on 2 cores (.ci/bases.txt says why):
 
-- torchrec 1.1.0, the seed's base: every entry's tests at its commit (so every
-  in-package test runs once more, on 1.1.0, at the commit that introduces it);
-- torchrec 1.9.2 and 1.8.0: the fork imports at every commit (a commit that
-  changes no module imports as the one before it did), and the tests run at
-  the commits whose change differs from the neighbouring base's (a variant of
-  its own, or an entry the other base lacks): 1.9.2 against 1.8.0, 1.8.0
-  against 1.9.2. Every other commit of theirs is the same
-  change as on that neighbour, and the installed suites (1.9.2's in full,
-  1.8.0's subset, .ci/bases.txt) test where the stacks end.
+- every release: the fork imports at every commit (a commit that changes no
+  module imports as the one before it did);
+- the tests of an entry run at its commit when the entry's own commit on
+  that base (a fingerprint of its diff, overlay diff and files,
+  tools/stack.py's entry_fingerprints) is not the one .ci/bisect-verified.json
+  records as passing there: a new or changed entry is tested at its commit
+  in CI;
+- and, on 1.1.0 and 1.8.0, only when its commit differs from 1.9.2's (a
+  variant of theirs, or an entry 1.9.2 lacks): 1.9.2's check covers the
+  same change.
+
+scripts/release_check.sh runs every entry's tests on every base (main
+too, from a clone of upstream) before a release and records what passed;
+an edit of an earlier entry that breaks a later one only at its commit is
+found there.
 """
 
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Set
 
 import pytest
-from conftest import REPO
+from conftest import release_versions, REPO
 from tools import forklib, stack
 
-#: base -> the base whose commits its bisect check does not run again (None:
-#: run every entry's tests).
-BISECT_PLAN = {"1.1.0": None, "1.8.0": "1.9.2", "1.9.2": "1.8.0"}
+#: base -> the base whose check covers the commits it has in common with it
+#: (None: none; run the tests of every unverified entry).
+BISECT_PLAN = {"1.1.0": "1.9.2", "1.8.0": "1.9.2", "1.9.2": None}
+VERIFIED: Path = REPO / stack.VERIFIED_FILE
 
 
 def insert_below_entry(repo: Path, name: str, lines: List[str]) -> None:
@@ -53,21 +60,31 @@ def deselected(version: str) -> List[str]:
     return names
 
 
+def entries_to_test(version: str) -> Set[str]:
+    """The entries whose tests the bisect check runs on ``version`` (see the
+    module's docstring)."""
+    other: Optional[str] = BISECT_PLAN[version]
+    with forklib.selected_base(version):
+        wanted = {e.name for e in forklib.load_stack(REPO)}
+        wanted -= set(stack.verified_entries(REPO, VERIFIED))
+        if other is not None:
+            wanted &= set(stack.entries_differing_from(REPO, other))
+    return wanted
+
+
 @pytest.mark.parametrize("version", sorted(BISECT_PLAN, key=forklib.version_key))
 def test_every_commit_of_the_stack_works_on_its_own(version: str) -> None:
-    assert set(BISECT_PLAN) == {b.version for b in forklib.load_bases(REPO)}
-    other: Optional[str] = BISECT_PLAN[version]
+    assert set(BISECT_PLAN) == set(release_versions())
     lines: List[str] = []
     names = deselected(version)
     pytest_args = ["-k", " and ".join(f"not {n}" for n in names)] if names else []
+    wanted = entries_to_test(version)
     with forklib.selected_base(version):
-        run_tests = None
-        if other is not None:
-            differing = set(stack.entries_differing_from(REPO, other))
-            assert differing, f"{version} has no commit of its own against {other}"
-            run_tests = lambda entry: entry.name in differing  # noqa: E731
         results = stack.bisect_check(
-            REPO, pytest_args=pytest_args, log=lines.append, run_tests=run_tests
+            REPO,
+            pytest_args=pytest_args,
+            log=lines.append,
+            run_tests=lambda entry: entry.name in wanted,
         )
         entries = forklib.load_stack(REPO)
     assert [r.name for r in results] == [e.name for e in entries]
@@ -77,10 +94,37 @@ def test_every_commit_of_the_stack_works_on_its_own(version: str) -> None:
         + "\n\n"
         + "\n\n".join(f"==== {r.name}: {r.reason}\n{r.output[-4000:]}" for r in failed)
     )
-    tested = [r for r in results if not r.reason.startswith("imports only")]
-    assert tested, "\n".join(lines)
-    if other is None:
-        assert len(tested) == len(results)
+    tested = {r.name for r in results if not r.reason.startswith("imports only")}
+    assert tested == wanted, "\n".join(lines)
+
+
+def test_verified_entries_follow_their_own_commit(repo_copy: Path) -> None:
+    """An entry's record holds while its own commit stays the same, and is
+    lost when the entry changes (not when another one does)."""
+    path = repo_copy / "verified.json"
+    with forklib.selected_base("1.9.2"):
+        entries = forklib.load_stack(repo_copy)
+        results = [
+            stack.BisectResult(k, e.name, [], True, "", 0.0, "")
+            for k, e in enumerate(entries, start=1)
+        ]
+        results[0] = stack.BisectResult(
+            1, entries[0].name, [], True, "imports only", 0.0, ""
+        )
+        recorded = stack.record_verified(repo_copy, path, results)
+        assert recorded == [e.name for e in entries[1:]]
+        assert stack.verified_entries(repo_copy, path) == recorded
+        # an overlay file of one entry (no later entry changes it) changes:
+        # that entry alone loses its record
+        staged = {c.path for e in entries for c in forklib.diff_changes(e.overlay_diff)}
+        entry, rel = next(
+            (e, f) for e in entries[1:] for f in e.files if f not in staged
+        )
+        (repo_copy / rel).write_text((repo_copy / rel).read_text() + "\n# edited\n")
+        verified = stack.verified_entries(repo_copy, path)
+    assert set(recorded) - set(verified) == {entry.name}
+    with forklib.selected_base("1.8.0"):
+        assert stack.verified_entries(repo_copy, path) == []
 
 
 def test_bisect_check_fails_a_commit_whose_module_needs_a_later_one(

@@ -1,12 +1,22 @@
 """The exported stack: ``git am`` on upstream's git tree at the base's tag
 reproduces the fork, and every commit is a reviewable change. Every test runs
 on each base of base.json: the 1.1.0 stack against upstream's tag v1.1.0, the
-1.8.0 stack against upstream's release/v1.8.0 (tools/upstream-v*-tree.txt
-lists both trees), and the 1.9.2 stack against the tree of its wheel (no git
-tree of 1.9.2 is at hand)."""
+1.8.0 stack against upstream's release/v1.8.0, the main stack against
+upstream's main at 376cac6a (tools/upstream-*-tree.txt lists the three
+trees), and the 1.9.2 stack against the tree of its wheel (no git tree of
+1.9.2 is at hand).
+
+The layout of upstream's tree is the base's files plus an empty placeholder
+for every other file of the list. For main, the base's files are main's own,
+read from a clone of upstream ($TORCHREC_FORK_UPSTREAM_GIT) when there is
+one; without it (CI) they are the stand-in's, the 1.9.2 wheel's (see
+tools/forklib.py's is_stand_in): the export then checks the blob ids main's
+variants carry, and test_main_export_applies_to_upstreams_main, which needs
+the clone, skips."""
 
 import os
 import re
+import subprocess
 from pathlib import Path
 from typing import Dict, Iterator, List, Set, Tuple
 
@@ -58,7 +68,7 @@ def upstream_layout(dest: Path) -> Set[str]:
     placeholders.
     """
     upstream = forklib.load_upstream_tree(REPO)
-    forklib.extract_upstream(forklib.fetch_base_wheel(REPO), dest)
+    forklib.extract_base(REPO, dest)
     placeholders: Set[str] = set()
     for rel in upstream.blobs:
         path = dest / rel
@@ -87,8 +97,11 @@ def mail_message(path: Path) -> Tuple[str, str]:
 def exported(
     base: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[stack.Export]:
-    """The base's stack, exported once for the module's tests."""
-    yield stack.export_stack(REPO, tmp_path_factory.mktemp(f"export-{base}"))
+    """The base's stack, exported once for the module's tests (main's
+    stand-in's where upstream's files of main are not at hand)."""
+    yield stack.export_stack(
+        REPO, tmp_path_factory.mktemp(f"export-{base}"), stand_in=True
+    )
 
 
 def test_export_writes_a_cover_letter_and_one_patch_per_entry(
@@ -110,9 +123,22 @@ def test_export_preimages_are_upstreams_blobs(exported: stack.Export) -> None:
     do the wheel's copies the build patches); every file it creates is new to
     upstream's tree. Checked through the full blob ids of the index lines."""
     upstream = forklib.load_upstream_tree(REPO)
-    wheel = forklib.wheel_contents(forklib.fetch_base_wheel(REPO))
+    wheel = forklib.base_files(REPO)
     lacking = upstream_deletions()
     current = dict(upstream.blobs)
+    # main's stand-in has the 1.9.2 wheel's files, some of which main has
+    # with other content: the export changes those from the wheel's blobs,
+    # and the patch files main reads carry main's (checked here too)
+    stand_in = set()
+    if forklib.is_stand_in(REPO):
+        stand_in = {
+            rel
+            for rel, data in wheel.items()
+            if rel in upstream.blobs
+            and forklib.git_blob_id(data) != upstream.blobs[rel]
+        }
+        current.update({rel: forklib.git_blob_id(wheel[rel]) for rel in stand_in})
+        assert forklib.target_blob_problems(REPO, upstream) == []
     created: List[str] = []
     deleted: List[str] = []
     for path in exported.patches:
@@ -126,7 +152,9 @@ def test_export_preimages_are_upstreams_blobs(exported: stack.Export) -> None:
             else:
                 assert change.old_path in current, f"{where}: not in upstream's tree"
                 assert change.old_blob == current[change.old_path], where
-                if change.old_path not in created and change.old_path not in lacking:
+                if change.old_path in stand_in:
+                    pass  # main's own blob: target_blob_problems above
+                elif change.old_path not in created and change.old_path not in lacking:
                     assert change.old_path in wheel, where
                     assert forklib.git_blob_id(wheel[change.old_path]) == (
                         upstream.blobs[change.old_path]
@@ -266,7 +294,7 @@ def test_export_refuses_an_overlay_file_that_differs_from_upstreams(
     first = forklib.read_series(repo_copy)[0]
     series.write_text(series.read_text().replace(first, f"{first}\n#+ {rel}", 1))
     with pytest.raises(stack.StackError, match=re.escape(rel)):
-        stack.export_stack(repo_copy, tmp_path / "out")
+        stack.export_stack(repo_copy, tmp_path / "out", stand_in=True)
 
 
 def test_materialized_tree_history(tmp_path: Path) -> None:
@@ -277,12 +305,50 @@ def test_materialized_tree_history(tmp_path: Path) -> None:
     for name, commit in zip(names, commits):
         message = forklib.git(["log", "-1", "--format=%B", commit], tree).stdout
         assert message.strip() == forklib.load_patch(REPO, name).message.strip()
-    # the overlay is present (linked to the repo), but not part of the history
+    # the overlay is present (linked to the repo), but not part of the history;
+    # a file the base's tree has already (main's tests/__init__.py) is the same
+    base_files = forklib.base_files(REPO)
     for rel in forklib.overlay_files(REPO):
-        assert (tree / rel).resolve() == (REPO / rel).resolve()
+        if base_files.get(rel.as_posix()) == (REPO / rel).read_bytes():
+            assert not (tree / rel).is_symlink(), rel
+        else:
+            assert (tree / rel).resolve() == (REPO / rel).resolve()
     status = forklib.git(["status", "--porcelain"], tree).stdout
     assert status == ""
     first = forklib.git(["rev-list", "--max-parents=0", "HEAD"], tree).stdout.strip()
     assert (
         first == forklib.git(["rev-parse", forklib.UPSTREAM_TAG], tree).stdout.strip()
     )
+
+
+def test_main_export_applies_to_upstreams_main(base: str, tmp_path: Path) -> None:
+    """With a clone of upstream at hand ($TORCHREC_FORK_UPSTREAM_GIT): the
+    main export, made from main's own files, applies with one ``git am`` to
+    upstream's main at the listed commit, and the result is the fork
+    materialised on main. Without one (CI) it skips."""
+    if base != "main":
+        pytest.skip("upstream's own tree at a commit: the main target only")
+    git_dir = forklib.upstream_git_dir()
+    if git_dir is None:
+        pytest.skip(
+            f"{forklib.UPSTREAM_GIT_ENV} is unset: no clone of upstream with "
+            f"main's commit to apply the export to"
+        )
+    commit = forklib.load_upstream_tree(REPO).commit
+    export = stack.export_stack(REPO, tmp_path / "export")
+    clone = tmp_path / "main"
+    subprocess.run(
+        ["git", "clone", "-q", "--shared", "--no-checkout", str(git_dir), str(clone)],
+        check=True,
+    )
+    forklib.git(["checkout", "-q", "-b", "live-resharding", commit], clone)
+    proc = forklib.git(
+        ["am", "--empty=drop", "-q", *map(str, export.files)], clone, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log = forklib.git(["rev-list", "--count", f"{commit}..HEAD"], clone).stdout
+    assert int(log) == len(forklib.load_stack(REPO))
+    tree = tmp_path / "tree"
+    fork.materialize_tree(tree, REPO)
+    files = forklib.git(["ls-files", forklib.PACKAGE], clone).stdout.split()
+    assert {rel: (clone / rel).read_bytes() for rel in files} == snapshot(tree)

@@ -9,8 +9,8 @@ import pytest
 from conftest import REPO, run_fork
 from tools import fork, forklib
 
-#: These tests work on the oldest base, whose patches are the shared ones.
-pytestmark = pytest.mark.usefixtures("oldest_base")
+#: These tests work on the default base, whose patches are the shared ones.
+pytestmark = pytest.mark.usefixtures("default_base")
 
 
 def break_first_patch(repo: Path) -> str:
@@ -71,63 +71,87 @@ def test_refresh_is_a_noop(repo_copy: Path) -> None:
     assert patch_files(repo_copy) == before
 
 
-def test_refresh_on_a_newer_base_leaves_the_other_bases_files(repo_copy: Path) -> None:
-    """A refresh on 1.9.2 with no edit changes no file, though the patches it
-    reads were made on other bases (other line numbers and blob ids)."""
+def test_refresh_on_an_older_base_leaves_the_other_bases_files(
+    repo_copy: Path,
+) -> None:
+    """A refresh on 1.8.0 with no edit changes no file, though most patches it
+    reads were made on 1.9.2 (other line numbers and blob ids)."""
     before = patch_files(repo_copy)
-    tree = repo_copy / ".fork" / "tree-1.9.2"
-    proc = run_fork(repo_copy, "--base", "1.9.2", "materialize", str(tree))
+    tree = repo_copy / ".fork" / "tree-1.8.0"
+    proc = run_fork(repo_copy, "--base", "1.8.0", "materialize", str(tree))
     assert proc.returncode == 0, proc.stderr
-    proc = run_fork(repo_copy, "--base", "1.9.2", "refresh", "--dir", str(tree))
+    proc = run_fork(repo_copy, "--base", "1.8.0", "refresh", "--dir", str(tree))
     assert proc.returncode == 0 and "already up to date" in proc.stdout, proc.stderr
     assert patch_files(repo_copy) == before
 
 
 def test_refresh_variant_gives_a_base_its_own_patch(repo_copy: Path) -> None:
-    """refresh --variant -m WHY on 1.9.2 writes the edit as 1.9.2's variant
-    of a patch it reads from 1.8.0's folder; 1.8.0's file stays as it was."""
+    """refresh --variant -m WHY on 1.8.0 writes the edit as 1.8.0's variant
+    of a patch it reads from the shared folder (1.9.2's); the shared file and
+    1.1.0's own variant stay as they were."""
     name = "reshard-dmp-whole-plan.patch"
-    old18 = (repo_copy / "patches" / "base-1.8.0" / name).read_text()
-    tree = repo_copy / ".fork" / "tree-1.9.2"
+    shared = (repo_copy / "patches" / name).read_text()
+    old11 = (repo_copy / "patches" / "base-1.1.0" / name).read_text()
+    assert not (repo_copy / "patches" / "base-1.8.0" / name).exists()
+    tree = repo_copy / ".fork" / "tree-1.8.0"
     assert (
-        run_fork(repo_copy, "--base", "1.9.2", "materialize", str(tree)).returncode == 0
+        run_fork(repo_copy, "--base", "1.8.0", "materialize", str(tree)).returncode == 0
     )
-    target = tree / touched_files(repo_copy, name)[0]
-    target.write_text(target.read_text() + "# on 1.9.2 only\n")
+    with forklib.selected_base("1.8.0"):
+        target = tree / touched_files(repo_copy, name)[0]
+    target.write_text(target.read_text() + "# on 1.8.0 only\n")
     proc = run_fork(
         repo_copy,
         "--base",
-        "1.9.2",
+        "1.8.0",
         "refresh",
         name,
         "--dir",
         str(tree),
         "--variant",
         "-m",
-        "Why it differs on 1.9.2.",
+        "Why it differs on 1.8.0.",
     )
     assert proc.returncode == 0, proc.stderr
-    variant = (repo_copy / "patches" / "base-1.9.2" / name).read_text()
-    assert variant.startswith("Why it differs on 1.9.2.\n\ndiff --git ")
-    assert "+# on 1.9.2 only" in variant
-    assert (repo_copy / "patches" / "base-1.8.0" / name).read_text() == old18
+    variant = (repo_copy / "patches" / "base-1.8.0" / name).read_text()
+    assert variant.startswith("Why it differs on 1.8.0.\n\ndiff --git ")
+    assert "+# on 1.8.0 only" in variant
+    assert (repo_copy / "patches" / name).read_text() == shared
+    assert (repo_copy / "patches" / "base-1.1.0" / name).read_text() == old11
     proc = run_fork(repo_copy, "check")
     assert proc.returncode == 0, proc.stderr
 
 
 def test_refresh_folds_edits_into_the_named_patch(repo_copy: Path) -> None:
+    """An edit in the default base's tree goes into the named (shared) patch;
+    main's variant of it, which now makes another change, is named by check
+    until it gets the edit too."""
     tree = repo_copy / ".fork" / "tree"
     assert run_fork(repo_copy, "materialize", str(tree)).returncode == 0
-    name = forklib.read_series(repo_copy)[0]
-    target = tree / touched_files(repo_copy, name)[0]
+    names = forklib.read_series(repo_copy)
+    touched = [touched_files(repo_copy, name) for name in names]
+    # the first patch with a file no later patch changes: an edit at its end
+    # cannot conflict with them
+    name, rel = next(
+        (name, rel)
+        for k, name in enumerate(names)
+        for rel in touched[k]
+        if not any(rel in files for files in touched[k + 1 :])
+    )
+    target = tree / rel
     target.write_text(target.read_text() + "# refreshed\n")
     proc = run_fork(repo_copy, "refresh", name, "--dir", str(tree))
     assert proc.returncode == 0, proc.stderr
     patch = forklib.load_patch(repo_copy, name)
-    assert "+# refreshed" in patch.diff
+    assert patch.source == f"patches/{name}" and "+# refreshed" in patch.diff
     old = forklib.load_patch(REPO, name)
     assert (patch.subject, patch.body) == (old.subject, old.body)
-    assert run_fork(repo_copy, "check").returncode == 0
+    with forklib.selected_base("1.9.2"):
+        assert name in fork.check_repo(repo_copy)
+    assert (repo_copy / "patches" / "base-main" / name).is_file()
+    proc = run_fork(repo_copy, "check")
+    assert proc.returncode == 1
+    assert f"base-main/{name}: a target's variant makes the change" in proc.stderr
 
 
 def test_broken_patch_fails_check_with_its_name(repo_copy: Path) -> None:
@@ -136,7 +160,8 @@ def test_broken_patch_fails_check_with_its_name(repo_copy: Path) -> None:
     assert proc.returncode != 0
     assert name in proc.stderr
     assert touched_files(repo_copy, name)[0] in proc.stderr
-    proc = run_fork(repo_copy, "--base", "1.1.0", "check")
+    # 1.8.0 reads the shared patch too (it has no variant of it)
+    proc = run_fork(repo_copy, "--base", "1.8.0", "check")
     assert proc.returncode != 0
     assert name in proc.stderr
     assert touched_files(repo_copy, name)[0] in proc.stderr

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -144,6 +144,7 @@ def fresh_dir(args: argparse.Namespace) -> Path:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     """Build the working tree."""
+    fl.require_own_files(args.repo, "materialize")
     tree = fresh_dir(args)
     commits = materialize_tree(tree, args.repo, symlink_overlay=not args.copy)
     print(f"materialised {tree}: upstream + {len(commits)} patch commit(s)")
@@ -152,6 +153,13 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
 def cmd_develop(args: argparse.Namespace) -> int:
     """Editable install of the working tree into this Python environment."""
+    base = fl.load_base(args.repo)
+    if base.is_target:
+        raise fl.ForkError(
+            f"torchrec {base.version} is upstream's git tree, a target of the "
+            f"export: nothing installs it (materialize it and put the tree first "
+            f"on sys.path, as bisect-check does)"
+        )
     tree: Path = args.dir.resolve()
     if not (tree / ".git").is_dir():
         materialize_tree(tree, args.repo)
@@ -173,6 +181,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     """Fold the tree's uncommitted edits into PATCH and rewrite the patch
     files whose diff changed."""
     repo: Path = args.repo
+    fl.require_own_files(repo, "refresh")
     tree: Path = args.dir.resolve()
     names = fl.read_series(repo)
     commits = require_tree(tree, repo)
@@ -219,8 +228,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             header = paragraphs(args.message)
             if path == fl.series_dir(repo) / name:
                 raise fl.ForkError(
-                    f"torchrec {base.version} is the oldest base: its patches are "
-                    f"the shared ones, not variants"
+                    f"torchrec {base.version} is the default base: its patches "
+                    f"are the shared ones, not variants"
                 )
         elif fl.normalized_diff(new) != fl.normalized_diff(patch.diff) or (
             new != patch.diff and fl.readers(repo, patch.source) == [base.version]
@@ -291,6 +300,7 @@ def cmd_port(args: argparse.Namespace) -> int:
     """Apply the selected base's series in DIR entry by entry, stopping at
     a patch that does not apply so that its base gets a variant."""
     repo: Path = args.repo
+    fl.require_own_files(repo, "port")
     tree: Path = args.dir.resolve()
     base = fl.load_base(repo)
     patches = fl.load_series(repo)
@@ -315,7 +325,7 @@ def cmd_port(args: argparse.Namespace) -> int:
         commit = fl.commit_all(tree, patch.message)
         path = repo / base.patches / patch.name
         header = paragraphs(args.message)
-        if base.index == 0:
+        if base.default:
             path, header = fl.series_dir(repo) / patch.name, None
         write_patch_file(path, fl.diff_commit(tree, commit), header)
         print(f"wrote {path.relative_to(repo)}")
@@ -379,10 +389,11 @@ def check_repo(repo: Path) -> List[str]:
                 )
     stack = fl.load_stack(repo)
     problems = fl.stack_problems(repo, stack)
-    wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
+    upstream = fl.load_upstream_tree(repo)
     problems += fl.upstream_problems(
-        repo, stack, fl.load_upstream_tree(repo), wheel, fl.load_base(repo).replaces
+        repo, stack, upstream, fl.base_files(repo), fl.load_base(repo).replaces
     )
+    problems += fl.target_blob_problems(repo, upstream)
     if problems:
         raise st.StackError([f"on torchrec {version}: {p}" for p in problems])
     return [patch.name for patch in patches]
@@ -400,9 +411,16 @@ def cmd_check(args: argparse.Namespace) -> int:
         with fl.selected_base(version):
             names = check_repo(args.repo)
             entries = len(fl.parse_series(args.repo))
+            where = (
+                f" ({fl.describe_base(args.repo)}: the changes to the files it "
+                f"lacks checked by blob id)"
+                if fl.is_stand_in(args.repo)
+                else ""
+            )
         print(
-            f"OK on torchrec {version}: {len(names)} patch(es) apply cleanly and "
-            f"are refreshed; the stack's {entries} entries cover every overlay file"
+            f"OK on torchrec {version}{where}: {len(names)} patch(es) apply "
+            f"cleanly and are refreshed; the stack's {entries} entries cover every "
+            f"overlay file"
         )
     return 0
 
@@ -415,6 +433,7 @@ def export_series(repo: Path, out: Path) -> List[Path]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export the stack as an upstream-ready series."""
+    fl.require_own_files(args.repo, "export")
     identity = st.export_identity(args.repo)
     if args.author:
         identity.update(st.parse_author(args.author))
@@ -436,6 +455,12 @@ def cmd_stack(args: argparse.Namespace) -> int:
     """Show the stack with the size of every commit."""
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-stack-") as tmp:
         commits = st.build_stack_repo(Path(tmp) / "tree", args.repo)
+    if fl.is_stand_in(args.repo):
+        print(
+            f"on {fl.describe_base(args.repo)}: the sizes are the target's but "
+            f"for what its variants add in files it has with other content",
+            file=sys.stderr,
+        )
     print(st.stack_table(commits))
     too_big = st.oversized(commits)
     for message in too_big:
@@ -485,10 +510,18 @@ def cmd_absorb(args: argparse.Namespace) -> int:
 
 def cmd_bisect_check(args: argparse.Namespace) -> int:
     """Check every commit of the stack on its own."""
-    run_tests = None
+    fl.require_own_files(args.repo, "bisect-check")
+    wanted: Optional[Set[str]] = None
     if args.differing_from:
-        differing = set(st.entries_differing_from(args.repo, args.differing_from))
-        run_tests = lambda entry: entry.name in differing  # noqa: E731
+        wanted = set(st.entries_differing_from(args.repo, args.differing_from))
+    if args.unverified:
+        done = set(st.verified_entries(args.repo, args.unverified))
+        stack_names = {e.name for e in fl.load_stack(args.repo)}
+        wanted = (stack_names if wanted is None else wanted) - done
+    run_tests = None
+    if wanted is not None:
+        chosen = wanted
+        run_tests = lambda entry: entry.name in chosen  # noqa: E731
     results = st.bisect_check(
         args.repo,
         only=args.entry or None,
@@ -501,6 +534,9 @@ def cmd_bisect_check(args: argparse.Namespace) -> int:
     failed = [r for r in results if not r.ok]
     for result in failed:
         print(f"\n==== {result.name}: {result.reason}\n{result.output[-6000:]}")
+    if args.record:
+        recorded = st.record_verified(args.repo, args.record, results)
+        print(f"recorded {len(recorded)} entries whose tests passed in {args.record}")
     total = sum(r.seconds for r in results)
     print(
         f"{len(results) - len(failed)} of {len(results)} commit(s) pass their own "
@@ -763,6 +799,21 @@ def build_parser() -> argparse.ArgumentParser:
         "the one they make on base VERSION (a variant, or an entry VERSION "
         "lacks); at the others only import the fork (for a base whose every "
         "other commit VERSION's full check covers)",
+    )
+    p.add_argument(
+        "--unverified",
+        type=Path,
+        metavar="FILE",
+        help="run the tests only of the entries whose own commit is not the one "
+        f"FILE records as passing on this base (CI: {st.VERIFIED_FILE}); with "
+        "--differing-from, of those that are both",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        metavar="FILE",
+        help="record in FILE the entries whose tests ran and passed (by a "
+        "fingerprint of their own commit on this base), for --unverified",
     )
     p.add_argument(
         "pytest_args",

@@ -44,6 +44,9 @@ WHEEL_ENV: str = "TORCHREC_FORK_BASE_WHEEL"
 # default base.
 BASE_ENV: str = "TORCHREC_FORK_BASE"
 CACHE_ENV: str = "TORCHREC_FORK_CACHE_DIR"
+# A git repository of upstream TorchRec (a clone): where the tools read a
+# target's files (base.json's targets, e.g. main); unset: a stand-in.
+UPSTREAM_GIT_ENV: str = "TORCHREC_FORK_UPSTREAM_GIT"
 # Tool caches that may appear under torchrec/: never part of the overlay.
 IGNORED_PARTS: frozenset = frozenset(
     {"__pycache__", ".pytest_cache", ".hypothesis", ".ruff_cache", ".mypy_cache"}
@@ -94,23 +97,30 @@ class PatchError(ForkError):
 @dataclasses.dataclass(frozen=True)
 class BaseSpec:
     """
-    A pinned upstream release wheel the fork is built on.
+    An upstream tree the fork is built on or exported for: a pinned release
+    wheel (a *base* proper), or upstream's git tree at a commit (a *target*,
+    e.g. ``main``: no wheel, so nothing installs it; the stack is exported,
+    checked and bisected there).
 
     Every base shares one series (``patches/series``) and one overlay. A
-    patch is written once, in ``patches/``; where upstream's code differs on
-    a base, a base-specific variant of it lives in that base's folder
-    ``patches/base-VERSION/`` and serves that base and the newer ones, until
-    a newer base has a variant of its own (see :func:`patch_folders`).
+    patch is written once, in ``patches/``, for the default base (the newest
+    release: what users install and, through it, upstream's main); where
+    upstream's code differs on another base, its variant lives in that base's
+    folder ``patches/base-VERSION/`` and serves that base and the older ones
+    on the way from it, until one of them has a variant of its own (see
+    :func:`base_chain`).
 
     Args:
         name (str): the distribution's name (``torchrec``).
-        version (str): the release, e.g. ``1.1.0``.
-        wheel (str): the wheel's file name.
-        sha256 (str): the wheel's sha256 (hex).
-        index (int): its place in ``base.json``, oldest first: 0 is the base
-            whose patches are the shared ones in ``patches/``.
+        version (str): the release, e.g. ``1.1.0`` (a target: its name, e.g.
+            ``main``).
+        wheel (str): the wheel's file name (empty for a target).
+        sha256 (str): the wheel's sha256 (hex; empty for a target).
+        index (int): its place in ``base.json``: the releases oldest first,
+            then the targets.
         default (bool): whether it is the base built when
-            ``$TORCHREC_FORK_BASE`` is unset.
+            ``$TORCHREC_FORK_BASE`` is unset (its patches are the shared ones
+            in ``patches/``).
         replaces (Tuple[str, ...]): overlay files that replace a file of the
             same path in upstream's git tree which the wheel lacks (e.g. a
             test module of upstream code the series removes on this base):
@@ -121,6 +131,9 @@ class BaseSpec:
             release (``tools/upstream-vVERSION-tree.txt``) that the exported
             stack applies to; None: no git tree is at hand and the wheel's
             tree is the reference.
+        on (Optional[str]): for a target, the release whose patches it reads
+            after its own variants and whose environment runs its code (the
+            default base); None for a release.
     """
 
     name: str
@@ -132,13 +145,19 @@ class BaseSpec:
     replaces: Tuple[str, ...] = ()
     requires: Tuple[str, ...] = ()
     upstream_tree: Optional[str] = None
+    on: Optional[str] = None
 
     @property
     def patches(self) -> str:
         """The folder of its own patches, relative to the repository: the
-        shared ``patches`` for the oldest base, ``patches/base-VERSION``
+        shared ``patches`` for the default base, ``patches/base-VERSION``
         (its variants) for the others."""
-        return SERIES_DIR if self.index == 0 else f"{SERIES_DIR}/base-{self.version}"
+        return SERIES_DIR if self.default else f"{SERIES_DIR}/base-{self.version}"
+
+    @property
+    def is_target(self) -> bool:
+        """Whether it is upstream's git tree at a commit (no wheel)."""
+        return self.on is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +203,13 @@ SERIES_DIR: str = "patches"
 
 def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
     """
-    Every base ``base.json`` pins, oldest first: its ``bases`` list (each
-    with ``name``, ``version``, ``wheel``, ``sha256`` and, optionally,
-    ``requires``, ``replaces`` and ``upstream_tree``) and its ``default``, the version built
-    when nothing else is asked for.
+    Every base ``base.json`` names: its ``bases`` list, the releases oldest
+    first (each with ``name``, ``version``, ``wheel``, ``sha256`` and,
+    optionally, ``requires``, ``replaces`` and ``upstream_tree``), then the
+    targets (upstream's git tree at a commit: ``version``, ``on`` the
+    release whose patches and environment it uses, ``upstream_tree``, and
+    optionally ``replaces``), and its ``default``, the release built when
+    nothing else is asked for.
 
     Args:
         repo (Path): the fork repository.
@@ -197,7 +219,9 @@ def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
 
     Raises:
         ForkError: when two bases have the same version, the default is not
-            one of them, or the bases are not listed oldest first.
+            a release of them, the releases are not listed oldest first, or
+            a target is not listed after them, names no upstream tree or is
+            not on the default release.
     """
     data = json.loads((repo / "base.json").read_text())
     default = data.get("default")
@@ -205,23 +229,36 @@ def load_bases(repo: Path = REPO_ROOT) -> List[BaseSpec]:
         BaseSpec(
             name=entry["name"],
             version=entry["version"],
-            wheel=entry["wheel"],
-            sha256=entry["sha256"].lower(),
+            wheel=entry.get("wheel", ""),
+            sha256=entry.get("sha256", "").lower(),
             index=k,
             default=entry["version"] == default,
             replaces=tuple(entry.get("replaces", ())),
             requires=tuple(entry.get("requires", ())),
             upstream_tree=entry.get("upstream_tree"),
+            on=entry.get("on"),
         )
         for k, entry in enumerate(data["bases"])
     ]
     versions = [base.version for base in bases]
+    releases = [base.version for base in bases if not base.is_target]
     if len(set(versions)) != len(versions):
         raise ForkError(f"base.json pins a version twice: {versions}")
-    if default not in versions:
-        raise ForkError(f"base.json: its default {default!r} is none of {versions}")
-    if versions != sorted(versions, key=version_key):
-        raise ForkError(f"base.json: list the bases oldest first, not {versions}")
+    if default not in releases:
+        raise ForkError(f"base.json: its default {default!r} is none of {releases}")
+    if versions[: len(releases)] != sorted(releases, key=version_key):
+        raise ForkError(
+            f"base.json: list the releases oldest first, then the targets, not "
+            f"{versions}"
+        )
+    for base in bases:
+        if base.is_target and (base.on != default or not base.upstream_tree):
+            raise ForkError(
+                f"base.json: the target {base.version} must be 'on' the default "
+                f"release {default} and name its 'upstream_tree'"
+            )
+        if not base.is_target and not (base.wheel and base.sha256):
+            raise ForkError(f"base.json: the release {base.version} needs a wheel")
     return bases
 
 
@@ -285,20 +322,44 @@ def series_dir(repo: Path = REPO_ROOT) -> Path:
 
 def patches_dir(repo: Path = REPO_ROOT) -> Path:
     """The folder of the selected base's own patches (see
-    :attr:`BaseSpec.patches`): ``patches/`` for the oldest base."""
+    :attr:`BaseSpec.patches`): ``patches/`` for the default base."""
     return repo / load_base(repo).patches
+
+
+def base_chain(repo: Path = REPO_ROOT, version: Optional[str] = None) -> List[BaseSpec]:
+    """
+    The base (``version``, else the selected one) and the bases whose
+    patches it reads when it has no variant of its own, first match wins:
+    itself, then the releases on the way to the default, then the default
+    (whose patches are the shared ones). On 1.1.0: 1.1.0, 1.8.0, 1.9.2; on
+    a target such as main: main, then the release it is on. A variant made
+    for a base so serves the bases further from the default too, until one
+    of them has its own.
+
+    Args:
+        repo (Path): the fork repository.
+        version (Optional[str]): the base (default: the selected one).
+
+    Returns:
+        List[BaseSpec]: the chain, ending with the default base.
+    """
+    base = load_base(repo, version)
+    bases = load_bases(repo)
+    default = next(b for b in bases if b.default)
+    if base.is_target:
+        return [base] + base_chain(repo, base.on)
+    step = 1 if base.index < default.index else -1
+    return [
+        b for b in bases[base.index : default.index + step : step] if not b.is_target
+    ]
 
 
 def patch_folders(repo: Path = REPO_ROOT) -> List[Path]:
     """
-    Where the selected base looks for an entry's patch, first match wins: its
-    own folder, then those of the older bases, newest first, down to the
-    shared ``patches/``. A variant made for a base so serves the newer bases
-    too, until one of them has its own.
+    Where the selected base looks for an entry's patch, first match wins:
+    the folders of :func:`base_chain`, ending with the shared ``patches/``.
     """
-    base = load_base(repo)
-    older = [b for b in load_bases(repo) if b.index <= base.index]
-    return [repo / b.patches for b in sorted(older, key=lambda b: -b.index)]
+    return [repo / b.patches for b in base_chain(repo)]
 
 
 def fork_version(repo: Path = REPO_ROOT) -> str:
@@ -533,24 +594,83 @@ def series_problems(repo: Path = REPO_ROOT) -> List[str]:
             problems.append(f"{rel} is no entry of patches/series")
         elif path.parent != series_dir(repo) and path.resolve() not in read:
             problems.append(f"{rel}: no base reads it (the entry is not on its base)")
-    for base in bases[1:]:
+    for base in bases:
+        if base.default:
+            continue
         folder = repo / base.patches
+        behind = base_chain(repo, base.version)[1]
         for path in sorted(folder.glob("*.patch")):
-            with selected_base(bases[base.index - 1].version):
+            with selected_base(behind.version):
                 try:
-                    older = patch_file(repo, path.name)
+                    other = patch_file(repo, path.name)
                 except PatchError:
                     continue
-            if older.read_text() == path.read_text() or (
-                _split_header(older)[1] == _split_header(path)[1]
+            if other.read_text() == path.read_text() or (
+                _split_header(other)[1] == _split_header(path)[1]
                 and not path.read_text().startswith("Subject:")
             ):
                 problems.append(
                     f"{path.relative_to(repo)} is a copy of "
-                    f"{older.relative_to(repo)}: a variant exists only where "
+                    f"{other.relative_to(repo)}: a variant exists only where "
                     f"the diff differs; delete it"
                 )
+            elif base.is_target:
+                with selected_base(base.version):
+                    differing = target_differing_files(repo)
+                problems += target_variant_problems(path, other, differing)
     return problems
+
+
+def changed_lines_by_file(diff: str) -> Dict[str, List[str]]:
+    """The lines a diff adds and removes (with their ``+``/``-``), by file,
+    in order: what the diff changes, without where."""
+    lines: Dict[str, List[str]] = {}
+    current: Optional[List[str]] = None
+    for line in diff.splitlines():
+        header = _DIFF_GIT_RE.match(line)
+        if header:
+            current = lines.setdefault(header.group(2), [])
+        elif current is not None and line[:1] in "+-":
+            if not line.startswith(("+++ ", "--- ")):
+                current.append(line)
+    return lines
+
+
+def target_variant_problems(
+    variant: Path, other: Path, differing: Optional[Set[str]] = None
+) -> List[str]:
+    """
+    A target's variant (main's, say) must make the change of the patch it
+    stands in for, only against other code around it: the same lines added
+    and removed in each file that patch changes. It may also change files
+    the target has with other content than the release it is on
+    (``differing``: a fix of upstream's the release has and the target
+    lacks, say), and no others. Without upstream's files of the target at
+    hand (CI), the target's stack is built with the patch it stands in for
+    (see :func:`is_stand_in`), and what it checks holds for the variant
+    too; the changes to the other files are checked by their blob ids
+    (:func:`target_blob_problems`).
+
+    Returns:
+        List[str]: one message when they differ (empty when they do not).
+    """
+    mine = changed_lines_by_file(_split_header(variant)[1])
+    theirs = changed_lines_by_file(_split_header(other)[1])
+    extra = set(mine) - set(theirs) - (differing or set())
+    if (
+        variant.read_text().startswith("Subject:")
+        or any(mine.get(rel) != lines for rel, lines in theirs.items())
+        or extra
+    ):
+        return [
+            f"{variant.parent.name}/{variant.name}: a target's variant makes "
+            f"the change of {other.parent.name}/{other.name} against other "
+            f"context (the same lines added and removed in its files, and "
+            f"changes only to files the target has with other content; no "
+            f"Subject: of its own): it differs"
+            + (f" (it also changes {', '.join(sorted(extra))})" if extra else "")
+        ]
+    return []
 
 
 def patch_file(repo: Path, name: str) -> Path:
@@ -602,15 +722,24 @@ def _split_header(path: Path) -> Tuple[str, str]:
     return text[: match.start()], text[match.start() :]
 
 
-def load_patch(repo: Path, name: str) -> Patch:
+def load_patch(repo: Path, name: str, *, stand_in: Optional[bool] = None) -> Patch:
     """
     The entry ``name``'s patch on the selected base. The shared
-    ``patches/NAME`` holds its subject and body; each base's variant on the
-    way to the selected base (see :func:`patch_folders`) says why it
-    differs in its header: paragraphs the commit message gets after the
-    body so far, or a whole ``Subject:`` header of its own where the commit
-    does something else on that base (tests only, say, where upstream
-    already has the change). The diff is the newest variant's.
+    ``patches/NAME`` (the default base's) holds its subject and body; each
+    base's variant on the way to the selected base (see :func:`base_chain`)
+    says why it differs in its header: paragraphs the commit message gets
+    after the body so far, or a whole ``Subject:`` header of its own where
+    the commit does something else on that base (tests only, say, where
+    upstream already has the change). The diff is the last variant's.
+
+    Args:
+        repo (Path): the fork repository.
+        name (str): the entry's patch file name.
+        stand_in (Optional[bool]): on a target whose upstream files are not
+            at hand (:func:`is_stand_in`; None: whether it is), read a
+            variant of the target's own with the diff of the file it stands
+            in for (its change, against the release's code: what the
+            stand-in tree has); False: the target's own diff.
 
     Raises:
         PatchError: when a file is missing or a variant's header is empty.
@@ -620,7 +749,8 @@ def load_patch(repo: Path, name: str) -> Patch:
         raise PatchError(name, "listed in patches/series but the file is missing")
     patch = parse_patch(shared_path)
     source = shared_path
-    for folder in reversed(patch_folders(repo)[:-1]):
+    folders = patch_folders(repo)
+    for folder in reversed(folders[:-1]):
         path = folder / name
         if not path.is_file():
             continue
@@ -639,6 +769,15 @@ def load_patch(repo: Path, name: str) -> Patch:
             )
         body = (patch.body + "\n\n" if patch.body else "") + note
         patch = Patch(name, patch.subject, body, diff)
+    if source.parent == folders[0] and (
+        is_stand_in(repo) if stand_in is None else stand_in
+    ):
+        base = load_base(repo)
+        if base.is_target:
+            with selected_base(base.on or ""):
+                other = load_patch(repo, name)
+            patch = dataclasses.replace(patch, diff=other.diff)
+            source = repo / other.source
     return dataclasses.replace(patch, source=source.relative_to(repo).as_posix())
 
 
@@ -940,16 +1079,20 @@ def stack_problems(
                     f"(paths start with {PACKAGE}/)"
                 )
         has_diff = bool(entry.patch.diff.strip())
-        shared = entry.patch.source in ("", f"{SERIES_DIR}/{name}")
         if entry.header_only and has_diff:
             problems.append(
                 f"{name}: has a diff to upstream files ({entry.patch.source}), so "
                 f"list it as a plain '{name}' line, not '{SERIES_HEADER_ONLY} {name}'"
             )
-        if not entry.header_only and not has_diff and shared:
+        if (
+            not entry.header_only
+            and not has_diff
+            and not _diff_on_some_base(repo, name)
+        ):
             problems.append(
-                f"{name}: has no diff, so list it as '{SERIES_HEADER_ONLY} {name}' "
-                f"(a plain entry is header-only only in a base's variant)"
+                f"{name}: has no diff on any base, so list it as "
+                f"'{SERIES_HEADER_ONLY} {name}' (a plain entry is header-only only "
+                f"on the bases where upstream has its change)"
             )
         if not entry.patch.subject or not entry.patch.body:
             problems.append(f"{name}: needs a subject and a body (what and why)")
@@ -979,6 +1122,13 @@ def stack_problems(
     except ForkError as exc:
         problems.append(str(exc))
     return problems
+
+
+def _diff_on_some_base(repo: Path, name: str) -> bool:
+    """Whether the entry ``name``'s shared patch or a variant has a diff."""
+    files = [series_dir(repo) / name]
+    files += [path / name for path in sorted(series_dir(repo).glob("base-*"))]
+    return any(path.is_file() and _split_header(path)[1].strip() for path in files)
 
 
 def is_test_file(rel: str) -> bool:
@@ -1121,6 +1271,9 @@ def upstream_problems(
     """
     problems: List[str] = []
     at = f"upstream's git tree at {upstream.tag}"
+    # a stand-in's files (see is_stand_in) differ from upstream's where the
+    # release's do: target_blob_problems checks the changes to those instead
+    stand_in = is_stand_in(repo)
     created: Set[str] = set()
     # upstream files the stack deletes (a patch, or '#-' for files the wheel
     # lacks) -> the index of the entry that deletes them
@@ -1143,7 +1296,7 @@ def upstream_problems(
                 problems.append(f"{entry.name} changes {rel}, which {at} lacks")
             elif rel in wheel_files:
                 blob = git_blob_id(wheel_files[rel])
-                if blob != upstream.blobs[rel]:
+                if blob != upstream.blobs[rel] and not stand_in:
                     problems.append(
                         f"{entry.name} changes {rel}: the wheel's copy (blob {blob}) "
                         f"is not the one in {at} (blob {upstream.blobs[rel]})"
@@ -1205,6 +1358,68 @@ def upstream_problems(
                     f"overlay file {rel} exists in {at} with other content "
                     f"(blob {upstream.blobs[rel]}): change it with a patch"
                 )
+    return problems
+
+
+def target_differing_files(repo: Path = REPO_ROOT) -> Set[str]:
+    """
+    The files the selected target's tree has with other content than the
+    wheel of the release it is on (empty for a release): where its stand-in
+    differs from it (see :func:`is_stand_in`).
+    """
+    base = load_base(repo)
+    if not base.is_target:
+        return set()
+    upstream = load_upstream_tree(repo)
+    with selected_base(base.on or ""):
+        release = wheel_contents(fetch_base_wheel(repo))
+    return {
+        rel
+        for rel, data in release.items()
+        if rel in upstream.blobs and git_blob_id(data) != upstream.blobs[rel]
+    }
+
+
+def target_blob_problems(repo: Path, upstream: UpstreamTree) -> List[str]:
+    """
+    On a target (see :attr:`BaseSpec.is_target`), for each file that
+    upstream's tree has with other content than the release it is on: every
+    patch of the target's series that changes it was made against the
+    target's own file (a variant of the target's): its ``index`` line's
+    pre-image is upstream's blob (the file's first change) or the post-image
+    of the change before. Read from the patch files alone, so it holds on a
+    stand-in too (:func:`is_stand_in`), where those files are not at hand.
+
+    Args:
+        repo (Path): the fork repository, a target selected.
+        upstream (UpstreamTree): the target's tree.
+
+    Returns:
+        List[str]: the problems (none on a release).
+    """
+    base = load_base(repo)
+    if not base.is_target:
+        return []
+    current = {rel: upstream.blobs[rel] for rel in target_differing_files(repo)}
+    problems: List[str] = []
+    for entry in parse_series(repo):
+        patch = load_patch(repo, entry.name, stand_in=False)
+        for change in diff_changes(patch.diff):
+            rel = change.old_path
+            if rel is None or rel not in current:
+                continue
+            before, expected = change.old_blob or "", current[rel]
+            if not before or not (
+                expected.startswith(before) or before.startswith(expected)
+            ):
+                problems.append(
+                    f"{entry.name} ({patch.source}) changes {rel} from blob "
+                    f"{before or '?'}, not from {expected[:12]}: {rel} differs "
+                    f"between {base.on} and {base.version}, so the change is "
+                    f"{base.version}'s own variant, made on its file (refresh "
+                    f"--variant in a tree materialised with {UPSTREAM_GIT_ENV})"
+                )
+            current[rel] = change.new_blob or ""
     return problems
 
 
@@ -1280,6 +1495,11 @@ def fetch_base_wheel(repo: Path = REPO_ROOT) -> Path:
     """A verified copy of the base wheel: from $TORCHREC_FORK_BASE_WHEEL, the
     cache, or pip (then cached). Raises :class:`BaseWheelError` on a mismatch."""
     base = load_base(repo)
+    if base.is_target:
+        raise BaseWheelError(
+            f"torchrec {base.version} is upstream's git tree, a target of the "
+            f"export: it has no wheel to build on (build on torchrec {base.on})"
+        )
     explicit = os.environ.get(WHEEL_ENV)
     if explicit:
         path = Path(explicit)
@@ -1299,6 +1519,143 @@ def fetch_base_wheel(repo: Path = REPO_ROOT) -> Path:
         shutil.copyfile(wheel, partial)
         os.replace(partial, cached)
     return cached
+
+
+def upstream_git_dir() -> Optional[Path]:
+    """A git repository of upstream's history (``$TORCHREC_FORK_UPSTREAM_GIT``:
+    a clone, bare or not), from which a target's files are read; None when
+    the variable is unset."""
+    value = os.environ.get(UPSTREAM_GIT_ENV)
+    return Path(value) if value else None
+
+
+def is_stand_in(repo: Path = REPO_ROOT) -> bool:
+    """
+    Whether the selected base is a target (upstream's git tree at a commit,
+    e.g. main) whose files are not at hand (no ``$TORCHREC_FORK_UPSTREAM_GIT``).
+    Its tree is then a stand-in: the files of the release it is on, and its
+    own variants read with the diffs they stand in for (they make the same
+    changes, :func:`target_variant_problems`). What does not depend on
+    upstream's content is checked as for any base (the series, the stack,
+    its sizes, the blob ids of upstream's tree); exporting, materialising
+    and bisect-checking need the target's own files.
+    """
+    return load_base(repo).is_target and upstream_git_dir() is None
+
+
+def require_own_files(repo: Path, what: str) -> None:
+    """
+    Refuse ``what`` on a stand-in (see :func:`is_stand_in`).
+
+    Raises:
+        ForkError: naming the variable that gives the target's files.
+    """
+    if is_stand_in(repo):
+        base = load_base(repo)
+        raise ForkError(
+            f"{what} on torchrec {base.version} needs upstream's files of that "
+            f"tree: set {UPSTREAM_GIT_ENV} to a clone of upstream TorchRec that "
+            f"has commit {load_upstream_tree(repo).commit}"
+        )
+
+
+def read_git_blobs(git_dir: Path, blobs: Mapping[str, str]) -> Dict[str, bytes]:
+    """
+    The contents of ``blobs`` (path -> blob id) from the git repository
+    ``git_dir`` (one ``git cat-file --batch``).
+
+    Raises:
+        ForkError: when the repository lacks one of them.
+    """
+    paths = sorted(blobs)
+    proc = subprocess.run(
+        ["git", f"--git-dir={git_dir}", "cat-file", "--batch"],
+        input="".join(blobs[rel] + "\n" for rel in paths).encode(),
+        capture_output=True,
+    )
+    if proc.returncode != 0:
+        raise ForkError(
+            f"git cat-file failed in {git_dir}: {proc.stderr.decode().strip()}"
+        )
+    out = proc.stdout
+    contents: Dict[str, bytes] = {}
+    at = 0
+    for rel in paths:
+        end = out.index(b"\n", at)
+        header = out[at:end].decode().split()
+        if len(header) != 3 or header[1] != "blob":
+            raise ForkError(
+                f"{git_dir} lacks blob {blobs[rel]} ({rel}); fetch upstream's "
+                f"history into it"
+            )
+        size = int(header[2])
+        contents[rel] = out[end + 1 : end + 1 + size]
+        at = end + 1 + size + 1
+    return contents
+
+
+def base_files(repo: Path = REPO_ROOT) -> Dict[str, bytes]:
+    """
+    The selected base's upstream files (path -> content), the tree the
+    series applies to: a release's wheel (without its ``.dist-info``); a
+    target's ``torchrec/`` files of upstream's git tree, read by their blob
+    ids from ``$TORCHREC_FORK_UPSTREAM_GIT``, but the ones its series
+    deletes with ``#-`` lines (as the wheels lack them: the export deletes
+    them by blob id), or, without that repository, the stand-in (see
+    :func:`is_stand_in`): the wheel of the release it is on.
+
+    Raises:
+        ForkError: when the wheel or a blob cannot be had.
+    """
+    base = load_base(repo)
+    if not base.is_target:
+        return wheel_contents(fetch_base_wheel(repo))
+    git_dir = upstream_git_dir()
+    if git_dir is None:
+        with selected_base(base.on or ""):
+            return wheel_contents(fetch_base_wheel(repo))
+    upstream = load_upstream_tree(repo)
+    deleted = {rel for entry in parse_series(repo) for rel in entry.deletes}
+    wanted = {
+        rel: blob
+        for rel, blob in upstream.blobs.items()
+        if rel.startswith(PACKAGE + "/") and rel not in deleted
+    }
+    return read_git_blobs(git_dir, wanted)
+
+
+def extract_base(repo: Path, dest: Path) -> None:
+    """Write the selected base's upstream files (:func:`base_files`) into
+    ``dest``, executables as such."""
+    base = load_base(repo)
+    if not base.is_target:
+        extract_upstream(fetch_base_wheel(repo), dest)
+        return
+    modes = load_upstream_tree(repo).modes if not is_stand_in(repo) else {}
+    for rel, data in base_files(repo).items():
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        if modes.get(rel) == "100755":
+            target.chmod(0o755)
+
+
+def describe_base(repo: Path = REPO_ROOT) -> str:
+    """What the selected base's tree is, for commit messages and logs."""
+    base = load_base(repo)
+    if not base.is_target:
+        return f"{base.wheel} (sha256 {base.sha256}) without its .dist-info"
+    upstream = load_upstream_tree(repo)
+    if is_stand_in(repo):
+        on = load_base(repo, base.on)
+        return (
+            f"a stand-in for upstream's {upstream.tag} (commit {upstream.commit}): "
+            f"{on.wheel}'s files ({UPSTREAM_GIT_ENV} is unset)"
+        )
+    return (
+        f"upstream's git tree at {upstream.tag} (commit {upstream.commit}), its "
+        f"{PACKAGE}/ files, from {upstream_git_dir()}"
+    )
 
 
 def extract_upstream(wheel: Path, dest: Path) -> None:
@@ -1442,6 +1799,8 @@ def copy_overlay(repo: Path, tree: Path, *, symlink: bool = False) -> List[Path]
         target = tree / rel
         if target.is_symlink():
             target.unlink()
+        elif target.is_file() and target.read_bytes() == (repo / rel).read_bytes():
+            continue  # upstream's tree has the file (a package's __init__.py)
         elif target.exists():
             raise ForkError(
                 f"overlay file {rel} already exists upstream; changes to upstream "
@@ -1459,11 +1818,17 @@ def copy_overlay(repo: Path, tree: Path, *, symlink: bool = False) -> List[Path]
 def build_source_tree(dest: Path, repo: Path = REPO_ROOT) -> Path:
     """Materialise the fork (upstream + patches + overlay) as plain files in
     ``dest`` (wiped first). Used by ``setup.py``."""
+    base = load_base(repo)
+    if base.is_target:
+        raise ForkError(
+            f"torchrec {base.version} is upstream's git tree, a target of the "
+            f"export: the fork builds on a release (torchrec {base.on})"
+        )
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     patches = load_series(repo)
-    extract_upstream(fetch_base_wheel(repo), dest)
+    extract_base(repo, dest)
     apply_series(dest, patches)
     copy_overlay(repo, dest)
     return dest
@@ -1516,11 +1881,11 @@ def init_upstream_repo(tree: Path, repo: Path = REPO_ROOT) -> None:
     base = load_base(repo)
     tree.mkdir(parents=True, exist_ok=True)
     git(["init", "-q"], tree)
-    extract_upstream(fetch_base_wheel(repo), tree)
+    extract_base(repo, tree)
     commit_all(
         tree,
         f"{base.name} {base.version}: pristine upstream\n\n"
-        f"Contents of {base.wheel} (sha256 {base.sha256}) without its .dist-info.\n",
+        f"Contents of {describe_base(repo)}.\n",
     )
     git(["tag", UPSTREAM_TAG], tree)
 

@@ -16,6 +16,7 @@ introduced earlier. From it this module
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -154,10 +155,11 @@ def checked_stack(
     stack = fl.load_stack(repo)
     problems = fl.stack_problems(repo, stack)
     upstream = fl.load_upstream_tree(repo)
-    wheel = fl.wheel_contents(fl.fetch_base_wheel(repo))
+    wheel = fl.base_files(repo)
     problems += fl.upstream_problems(
         repo, stack, upstream, wheel, fl.load_base(repo).replaces
     )
+    problems += fl.target_blob_problems(repo, upstream)
     if problems:
         raise StackError(problems)
     return stack, upstream, wheel
@@ -216,7 +218,7 @@ def build_stack_repo(
     base = fl.load_base(repo)
     tree.mkdir(parents=True)
     fl.git(["init", "-q"], tree)
-    fl.extract_upstream(fl.fetch_base_wheel(repo), tree)
+    fl.extract_base(repo, tree)
     # Overlay files upstream's tree has and the wheel lacks stand for
     # upstream's identical files (the check verified it); an upstream file the
     # wheel has stays upstream's (a patch of the stack deletes it), and one the
@@ -237,8 +239,8 @@ def build_stack_repo(
     fl.commit_all(
         tree,
         f"{base.name} {base.version}: upstream ({where})\n\nThe files of "
-        f"{base.wheel}, plus the files of upstream's git tree the fork needs and "
-        f"the wheel lacks:{listing or ' none'}\n",
+        f"{fl.describe_base(repo)}, plus the files of upstream's git tree the "
+        f"fork needs and those lack:{listing or ' none'}\n",
     )
     fl.git(["tag", fl.UPSTREAM_TAG], tree)
     commits: List[StackCommit] = []
@@ -581,6 +583,8 @@ def cover_letter_text(
         )
     text = string.Template(blurb.strip("\n")).substitute(
         stack=stack,
+        upstream_changes=upstream_changes(commits, upstream),
+        base_ref=upstream.commit[:12] if upstream.commit else "BASE",
         tests=" \\\n".join(["    pytest"] + [f"        {t}" for t in tests]),
         benchmark=_indent(benchmark_summary(repo)),
         base_version=base.version,
@@ -594,12 +598,40 @@ def cover_letter_text(
     return string.Template(subject.strip()).substitute(base_version=base.version), text
 
 
+def upstream_changes(commits: Sequence[StackCommit], upstream: fl.UpstreamTree) -> str:
+    """
+    The stack's changes to files upstream's tree has (the hooks), one line
+    per file: lines added and removed, and the commits that change it (by
+    their number in the stack); for the cover letter.
+    """
+    per_file: Dict[str, List[int]] = {}
+    numbers: Dict[str, List[int]] = {}
+    # upstream's files the stack deletes by blob id ('#-') and replaces
+    replaced = {rel for commit in commits for rel in commit.entry.deletes}
+    for i, commit in enumerate(commits, start=1):
+        for path, added, removed in commit.files:
+            if path not in upstream.blobs or path in replaced:
+                continue
+            lines = per_file.setdefault(path, [0, 0])
+            lines[0] += added
+            lines[1] += removed
+            numbers.setdefault(path, []).append(i)
+    width = len(str(len(commits)))
+    rows = [
+        f"    {path} (+{added} -{removed}; "
+        f"{', '.join(f'{n:0{width}d}' for n in numbers[path])})"
+        for path, (added, removed) in sorted(per_file.items())
+    ]
+    return "\n".join(rows) or "    (none)"
+
+
 def export_stack(
     repo: Path,
     out: Path,
     *,
     cover_letter: bool = True,
     identity: Optional[Dict[str, str]] = None,
+    stand_in: bool = False,
 ) -> Export:
     """
     Write the stack as a numbered ``git format-patch`` series into ``out``
@@ -613,10 +645,19 @@ def export_stack(
         cover_letter (bool): also write the cover letter.
         identity (Optional[Dict[str, str]]): author and committer (default:
             :func:`export_identity`).
+        stand_in (bool): on a target without its files at hand (see
+            :func:`tools.forklib.is_stand_in`), export the stand-in's stack
+            (the release's files and diffs where the target's differ: for
+            checks, never to send) instead of refusing.
 
     Returns:
         Export: the files written and the commits.
+
+    Raises:
+        fl.ForkError: on a stand-in, unless ``stand_in``.
     """
+    if not stand_in:
+        fl.require_own_files(repo, "export")
     identity = identity or export_identity(repo)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.patch"):
@@ -975,6 +1016,83 @@ def entries_differing_from(repo: Path, version: str) -> List[str]:
     return [name for name, source in mine.items() if theirs.get(name) != source]
 
 
+#: Where the bisect checks record the entries whose tests passed at their
+#: commit, by fingerprint (see :func:`entry_fingerprints`), per base.
+VERIFIED_FILE: str = ".ci/bisect-verified.json"
+
+
+def entry_fingerprints(repo: Path = fl.REPO_ROOT) -> Dict[str, str]:
+    """
+    A fingerprint of each entry's own commit on the selected base: the
+    base (its wheel's sha256, or the commit of upstream's tree), the diff to
+    upstream files it reads there, its overlay diff, the files it writes
+    with their content at that commit, and the upstream files it deletes.
+    It changes when the entry itself does, not when an earlier one does
+    (a full bisect check, before a release, covers those).
+
+    Returns:
+        Dict[str, str]: entry name -> sha256 (hex).
+    """
+    base = fl.load_base(repo)
+    where = base.sha256 or fl.load_upstream_tree(repo).commit
+    stack = fl.load_stack(repo)
+    prints: Dict[str, str] = {}
+    for entry, writes in zip(stack, fl.stack_file_versions(repo, stack)):
+        digest = hashlib.sha256()
+        for part in (base.version, where, entry.name, entry.patch.diff):
+            digest.update(part.encode() + b"\0")
+        digest.update(entry.overlay_diff.encode() + b"\0")
+        for rel in sorted(writes):
+            digest.update(rel.encode() + b"\0" + writes[rel] + b"\0")
+        for rel in entry.deletes:
+            digest.update(b"-" + rel.encode() + b"\0")
+        prints[entry.name] = digest.hexdigest()
+    return prints
+
+
+def load_verified(path: Path) -> Dict[str, Dict[str, str]]:
+    """The recorded fingerprints (base -> entry -> fingerprint); empty when
+    the file does not exist."""
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text())
+
+
+def verified_entries(repo: Path, path: Path) -> List[str]:
+    """The entries of the selected base whose own commit is the one whose
+    tests passed when the bisect check last recorded them in ``path``."""
+    recorded = load_verified(path).get(fl.load_base(repo).version, {})
+    return [
+        name
+        for name, print_ in entry_fingerprints(repo).items()
+        if recorded.get(name) == print_
+    ]
+
+
+def record_verified(
+    repo: Path, path: Path, results: Sequence["BisectResult"]
+) -> List[str]:
+    """
+    Record in ``path`` the fingerprints of the entries whose tests ran and
+    passed at their commit on the selected base (``results`` of
+    :func:`bisect_check`); entries no longer in the stack are dropped, the
+    other bases' records are kept.
+
+    Returns:
+        List[str]: the entries recorded.
+    """
+    version = fl.load_base(repo).version
+    prints = entry_fingerprints(repo)
+    data = load_verified(path)
+    mine = {n: p for n, p in data.get(version, {}).items() if prints.get(n) == p}
+    recorded = [r.name for r in results if r.ok and not r.reason]
+    mine.update({name: prints[name] for name in recorded})
+    data[version] = {name: mine[name] for name in prints if name in mine}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return recorded
+
+
 def bisect_check(
     repo: Path = fl.REPO_ROOT,
     *,
@@ -1020,13 +1138,13 @@ def bisect_check(
     if unknown:
         raise fl.ForkError(f"no such stack entries: {', '.join(unknown)}")
     versions = fl.stack_file_versions(repo, stack)
-    wheel = fl.fetch_base_wheel(repo)
+    fl.require_own_files(repo, "bisect-check")
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-bisect-") as tmp:
         scratch = Path(tmp)
         tree = (keep or scratch / "tree").resolve()
         if tree.exists():
             shutil.rmtree(tree)
-        fl.extract_upstream(wheel, tree)
+        fl.extract_base(repo, tree)
         zygote = _Zygote()
         try:
             run = _BisectRun(
