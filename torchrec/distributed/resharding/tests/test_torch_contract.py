@@ -122,6 +122,10 @@ CONTRACT: Dict[str, str] = {
     "emb_module.get_optimizer_state": "() -> [{state key: view}] per table",
     "emb_module.get_learning_rate": "() -> float",
     "emb_module.set_learning_rate": "(float) -> None",
+    "store.clone": "() -> Store, a connection of its own to the same keys (a "
+    "PrefixStore's clone keeps its prefix): a thread's waits do not queue "
+    "behind the training thread's",
+    "torch.cuda.device_count": "() -> int; CPU build: 0",
 }
 
 # Private methods of TorchRec's own classes the fork's patches add or that
@@ -443,6 +447,11 @@ class StoreContractTest(unittest.TestCase):
             self.assertIsNone(store.wait(["n"], timedelta(seconds=1)))
             with self.assertRaises(dist.DistStoreError):
                 store.wait(["absent"], timedelta(milliseconds=50))
+            clone = store.clone()
+            self.assertIsInstance(clone, dist.PrefixStore)
+            self.assertIsNone(clone.set("c", "1"))
+            self.assertEqual(store.get("c"), b"1")
+            self.assertEqual(torch.cuda.device_count(), 0)
 
 
 class CudaOnTheCpuBuildTest(unittest.TestCase):
