@@ -272,8 +272,12 @@ class OneGpuTest(unittest.TestCase):
         # what the survivors of a failed exchange go through, on one rank: a
         # receive nothing matches, the deadline, the abort first; NCCL's
         # watchdog would post exception_dump before tearing the process down
-        os.environ["TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"] = DUMP_WAIT_MS
-        with reshard_scenario(0, 1, free_port()) as s:
+        with (
+            mock.patch.dict(
+                os.environ, {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": DUMP_WAIT_MS}
+            ),
+            reshard_scenario(0, 1, free_port()) as s,
+        ):
             signal = AbortSignal.of("abort-check", 1, 0)
             group = open_exchange_group(
                 [0], "abort-check", timedelta(seconds=2), s.device

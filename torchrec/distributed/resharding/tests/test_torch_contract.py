@@ -13,8 +13,9 @@ calls below their public collectives: every private or backend-level call the
 package makes (:data:`CONTRACT`, what each must return or raise), driven
 through the package's own code against the real bindings of this machine's
 CPU build. What only the CUDA build has (``ProcessGroupNCCL``) is checked
-against that build's own statement of its signatures (the wheel's
-docstrings, ``shared/torch_bindings/torch-2.14.1-cu130-c10d.json``; skipped
+against that build's own statement of its signatures: on a CUDA build the
+bindings' own docstrings, read live, else the wheel's docstrings as
+``shared/torch_bindings/torch-2.14.1-cu130-c10d.json`` states them (skipped
 with the reason where the file is absent): the calls the package makes on a
 real gloo backend, recorded as they pass through, and the connect of an NCCL
 group, recorded by a stand-in that only writes down its calls, must each be
@@ -158,6 +159,7 @@ TIMEOUT = timedelta(seconds=10)
 # ------------------------------------------------------------ the CUDA build
 
 BINDINGS_FILE = "torch-2.14.1-cu130-c10d.json"
+CPU_BINDINGS_FILE = "torch-2.13.0-cpu-c10d.json"
 
 
 def bindings_dir() -> Optional[Path]:
@@ -254,8 +256,13 @@ def _matches(annotation: str, value: Any) -> bool:
 class Bindings:
     """One wheel's stated c10d signatures (see ``shared/torch_bindings``)."""
 
-    def __init__(self, path: Path) -> None:
-        self.data: Dict[str, Any] = json.loads(path.read_text())
+    def __init__(self, data: Dict[str, Any]) -> None:
+        self.data: Dict[str, Any] = data
+
+    @staticmethod
+    def read(path: Path) -> "Bindings":
+        """A wheel's statement, as a file of ``shared/torch_bindings`` holds it."""
+        return Bindings(json.loads(path.read_text()))
 
     def overloads(self, cls: str, method: str) -> List[Signature]:
         lines = self.data["classes"][cls]["methods"].get(method)
@@ -273,15 +280,78 @@ class Bindings:
         return any(s.accepts(args, kwargs) for s in self.overloads(cls, method))
 
 
+C10D_CLASSES: Tuple[str, ...] = (
+    "Backend",
+    "HashStore",
+    "PrefixStore",
+    "ProcessGroup",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "Store",
+    "TCPStore",
+    "Work",
+)
+
+
+def _signature_lines(name: str, doc: Optional[str]) -> List[str]:
+    """The lines of a binding's docstring that state its overloads."""
+    pattern = re.compile(rf"^(\d+\.\s*)?{re.escape(name)}\(")
+    lines = (line.strip() for line in (doc or "").splitlines())
+    return [line for line in lines if pattern.match(line)]
+
+
+def live_bindings() -> Bindings:
+    """
+    This build's c10d signatures read from its bindings' docstrings, the way
+    the files of ``shared/torch_bindings`` were read from their wheels: each
+    method's signature lines, each nested class's attribute names.
+
+    Returns:
+        Bindings: the statement of the torch this process imported.
+    """
+    # the bound classes: ``dist.Backend`` is the Python enum of backend names
+    bound = torch._C._distributed_c10d
+    classes: Dict[str, Any] = {}
+    for name in C10D_CLASSES:
+        cls = getattr(bound, name, None)
+        if cls is None:
+            continue
+        methods: Dict[str, List[str]] = {}
+        for attr in dir(cls):
+            if attr.startswith("__") and attr != "__init__":
+                continue
+            value = getattr(cls, attr)
+            if isinstance(value, type):
+                methods[attr] = [a for a in dir(value) if not a.startswith("__")]
+            elif lines := _signature_lines(attr, getattr(value, "__doc__", None)):
+                methods[attr] = lines
+        bases = [base.__name__ for base in cls.__mro__[1:]]
+        classes[name] = {"bases": bases, "methods": methods}
+    return Bindings(
+        {
+            "torch": torch.__version__,
+            "cuda_build": torch.version.cuda,
+            "classes": classes,
+        }
+    )
+
+
 def cuda_bindings() -> Bindings:
-    """The CUDA build's bindings (the test skips without the file)."""
+    """
+    The CUDA build's bindings: this build's own on a CUDA build, else the
+    file's statement of them (the test skips without the file).
+    """
+    if torch.version.cuda is not None and hasattr(
+        torch._C._distributed_c10d, "ProcessGroupNCCL"
+    ):
+        return live_bindings()
     directory = bindings_dir()
     if directory is None:
         raise unittest.SkipTest(
             f"no {BINDINGS_FILE} (shared/torch_bindings, or set "
             "TORCHREC_TORCH_BINDINGS): the CUDA build's signatures are unknown here"
         )
-    return Bindings(directory / BINDINGS_FILE)
+    return Bindings.read(directory / BINDINGS_FILE)
 
 
 class _NcclStandIn:
@@ -451,7 +521,6 @@ class StoreContractTest(unittest.TestCase):
             self.assertIsInstance(clone, dist.PrefixStore)
             self.assertIsNone(clone.set("c", "1"))
             self.assertEqual(store.get("c"), b"1")
-            self.assertEqual(torch.cuda.device_count(), 0)
 
 
 class CudaOnTheCpuBuildTest(unittest.TestCase):
@@ -468,6 +537,7 @@ class CudaOnTheCpuBuildTest(unittest.TestCase):
         self.assertEqual(torch.cuda.memory_allocated(cuda), 0)
         self.assertEqual(torch.cuda.memory_reserved(cuda), 0)
         self.assertEqual(torch.cuda.max_memory_allocated(cuda), 0)
+        self.assertEqual(torch.cuda.device_count(), 0)
         with self.assertRaises(RuntimeError):
             torch.cuda.Event(enable_timing=True)
         # the methods the load monitor calls on a CUDA event, as torch states them
@@ -557,6 +627,38 @@ class FbgemmContractTest(unittest.TestCase):
             other.emb_module.set_learning_rate(0.5)
             apply_table_facts([other], facts)
             self.assertEqual(other.emb_module.get_learning_rate(), 0.25)
+
+
+def _no_addresses(lines: List[str]) -> List[str]:
+    """Signature lines without the addresses of their default objects."""
+    return [re.sub(r" at 0x[0-9a-f]+", "", line) for line in lines]
+
+
+class LiveBindingsTest(unittest.TestCase):
+    def test_the_live_read_states_what_the_wheels_file_states(self) -> None:
+        # On a CUDA build the signature tests below judge by the live read:
+        # here it must give, method by method, what the file made from this
+        # CPU wheel's docstrings gives.
+        directory = bindings_dir()
+        if directory is None or not (directory / CPU_BINDINGS_FILE).is_file():
+            self.skipTest(f"no {CPU_BINDINGS_FILE} (shared/torch_bindings)")
+        stated = Bindings.read(directory / CPU_BINDINGS_FILE)
+        if stated.data["torch"] != torch.__version__:
+            self.skipTest(f"{CPU_BINDINGS_FILE} states another torch")
+        live = live_bindings().data["classes"]
+        compared = set()
+        for cls, entry in stated.data["classes"].items():
+            if entry is None:  # not in this build (ProcessGroupNCCL)
+                self.assertNotIn(cls, live)
+                continue
+            for method, lines in entry["methods"].items():
+                if lines and _signature_lines(method, "\n".join(lines)) == lines:
+                    read = live[cls]["methods"].get(method, [])
+                    self.assertEqual(_no_addresses(read), _no_addresses(lines))
+                    compared.add((cls, method))
+        self.assertIn(("Backend", "_start_coalescing"), compared)
+        self.assertIn(("ProcessGroup", "_start_coalescing"), compared)
+        self.assertGreater(len(compared), 100)
 
 
 class CudaBuildSignatureTest(unittest.TestCase):
