@@ -19,9 +19,9 @@ through ``DistributedModelParallel.reshard``), never a part of it.
   engine's ``TableLayout``), and moves of them as a new plan;
 * ``search`` — pure: the incremental local search (move or swap shards off
   the slowest rank), fast enough for every window;
-* ``replan`` — TorchRec's full planner on the measured load, only in a
-  background thread of one rank; ``relabel`` — its candidate's ranks renamed
-  to keep the most bytes in place;
+* ``replan`` — TorchRec's full planner on the measured load, only on one
+  rank, in a process of its own (``replan_process``); ``relabel`` — its
+  candidate's ranks renamed to keep the most bytes in place;
 * ``costs`` — pure: per-shard costs calibrated from measured kernel time, the
   predicted step time after a move, and the window's proposal;
 * ``policy`` — pure: when a reshard pays;

@@ -70,8 +70,9 @@ class RebalancePolicy:
             that failed or found nothing worth it, the next one waits as long.
         full_replan (bool): when the incremental search cannot reach
             ``min_gain`` but splitting shards could, run TorchRec's full
-            planner in a background thread of one rank (never inside a step)
-            and consider its plan at a later window.
+            planner in a process of its own on one rank (never inside a step,
+            never in a thread of the training process) and consider its plan
+            at a later window.
     """
 
     window: int = 50

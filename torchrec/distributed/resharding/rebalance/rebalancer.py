@@ -26,7 +26,7 @@ the policy's state, the settings), so that every rank sees whether they all
 decide from the same. Every rank then runs the same deterministic search on
 the same statistics and reaches the same candidate: no plan is broadcast.
 When moving whole shards cannot reach the policy's gain but splitting them
-could, group rank 0 starts TorchRec's full planner in a background thread;
+could, group rank 0 starts TorchRec's full planner in a process of its own;
 a later window's all-reduce says its result is ready, and the ranks agree on
 it through the engine's agreement before they consider it. A reshard that
 fails or aborts leaves the model on its old plan and backs the policy off;
@@ -37,7 +37,7 @@ nothing else in the model changes. ``history`` keeps every decision and
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -93,14 +93,14 @@ from torchrec.distributed.resharding.rebalance.policy import (
     with_bandwidth,
 )
 from torchrec.distributed.resharding.rebalance.replan import (
-    BackgroundReplanner,
-    full_replan,
     measured_constraints,
     needs_dense_rebuild,
     planning_definition,
     Replanner,
     ReplanRequest,
+    ThreadReplanner,
 )
+from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
 from torchrec.distributed.resharding.runner import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroups
 from torchrec.distributed.types import (
@@ -307,8 +307,12 @@ class Rebalancer:
             may become data-parallel.
         state_factor (float): bytes a rank holds per byte of a table's
             weights (weights and optimizer state), for its memory.
-        replanner (Optional[Replanner]): the full replan run in the background
-            (default: ``replan.full_replan``, TorchRec's planner).
+        replanner (Optional[Replanner]): the full replan run in the background:
+            by default ``replan.full_replan`` (TorchRec's planner) in a process
+            of its own at the lowest priority, spawned at the first replan on
+            group rank 0 and kept (``ProcessReplanner``); a callable given here
+            runs in a thread of this process (``ThreadReplanner``), which suits
+            only one that waits (on a service, say), not one that computes.
 
     Raises:
         ValueError: for a bad policy or budget, a topology of another size.
@@ -380,7 +384,9 @@ class Rebalancer:
         self._view: _ModelView = self._read_model()
         _check_budget(policy, self._view)
         self._monitor: LoadMonitor = LoadMonitor.for_model(model)
-        self._background = BackgroundReplanner(replanner or full_replan)
+        self._background: Union[ProcessReplanner, ThreadReplanner] = (
+            ProcessReplanner() if replanner is None else ThreadReplanner(replanner)
+        )
         self._replan_digest: int = 0
         self._state: PolicyState = PolicyState()
         self._seconds_per_element: Optional[float] = None
@@ -404,10 +410,12 @@ class Rebalancer:
 
     def close(self) -> None:
         """
-        Removes the monitor's hooks and shuts down the exchange groups kept
-        for the reshards; ``step()`` must not be called after.
+        Removes the monitor's hooks, ends the replan process and shuts down
+        the exchange groups kept for the reshards; ``step()`` must not be
+        called after.
         """
         self._monitor.remove()
+        self._background.close()
         if self._own_groups is not None:
             self._own_groups.close()
 
