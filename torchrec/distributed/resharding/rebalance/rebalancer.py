@@ -37,7 +37,18 @@ nothing else in the model changes. ``history`` keeps every decision and
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+    Union,
+)
 
 import torch.distributed as dist
 from torch import nn
@@ -109,6 +120,7 @@ from torchrec.distributed.types import (
     ModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
+    ShardingType,
 )
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -543,6 +555,7 @@ class Rebalancer:
             self._capacity,
             byte_price(self.policy, self._state),
             self.policy.move_budget_bytes,
+            self._splittable(view) if self.policy.split_shards else None,
         )
         prediction = proposal.prediction
         decision = self._with_prediction(decision, prediction, "search")
@@ -571,9 +584,24 @@ class Rebalancer:
         if reason is not None:
             return replace(decision, reason=reason)
         candidate = plan_with_layouts(
-            view.plan, view.placement, proposal.layouts, self._device_of
+            view.plan,
+            view.placement,
+            proposal.layouts,
+            self._device_of,
+            proposal.sharding_types,
         )
         return self._try_reshard(candidate, prediction, decision)
+
+    def _splittable(self, view: _ModelView) -> Set[str]:
+        """Keys of the tables the user's constraints let become column-wise."""
+        column_wise = ShardingType.COLUMN_WISE.value
+        out = set()
+        for table in view.placement.tables:
+            constraint = self._constraints.get(table.name)
+            types = None if constraint is None else constraint.sharding_types
+            if types is None or column_wise in types:
+                out.add(table.key)
+        return out
 
     def _with_prediction(
         self, decision: RebalanceDecision, prediction: StepPrediction, source: str
