@@ -21,8 +21,8 @@ process it holds the interpreter lock and slows every step several times).
 * ``ProcessReplanner`` (same calls as ``replan.BackgroundReplanner``:
   ``busy``, ``start``, ``ready``, ``take``, plus ``close``) spawns one child
   at its first replan and keeps it: a fresh interpreter at the lowest
-  scheduling priority (``os.nice(19)`` before it imports anything), one
-  intra-op thread, fed over a pipe. ``start`` hands the bytes to a writer
+  scheduling priority (``os.nice(19)`` and Linux's ``SCHED_IDLE`` class
+  before it imports anything), one intra-op thread, fed over a pipe. ``start`` hands the bytes to a writer
   thread that only waits on the pipe; ``ready`` polls without blocking. The
   child exits on the pipe's end of file, on ``close``, or within a second of
   its parent's death (it watches its parent's pid), so it is never left
@@ -534,12 +534,18 @@ def serve(read_fd: int, write_fd: int, parent_pid: int) -> None:
         answers.send(run_job(replan, job))
 
 
-# The child: its priority lowered before it imports torch or torchrec.
-_CHILD = (
-    "import os, sys; os.nice(19); "
-    "from torchrec.distributed.resharding.rebalance.replan_process import serve; "
-    "serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
-)
+# The child: nice 19 and, where the OS has it, the idle scheduling class
+# (it runs only on a core nothing else wants), before it imports torch.
+_CHILD = """
+import os, sys
+os.nice(19)
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+except (AttributeError, OSError):
+    pass
+from torchrec.distributed.resharding.rebalance.replan_process import serve
+serve(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+"""
 
 
 def _stop(child: "subprocess.Popen[bytes]", jobs: Connection, wait_s: float) -> None:

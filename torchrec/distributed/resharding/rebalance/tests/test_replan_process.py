@@ -14,9 +14,9 @@ plans what it plans for the original); the child's plan equals TorchRec's
 planner run here on the same request; while the child plans, the training
 process runs no function of ``torchrec.distributed.planner`` (seen by a
 profiler hooked on every thread, which does see the planner when it runs in
-a thread instead); the child runs at the lowest priority, reports a failed
-replan as an error, is killed by ``close`` while it plans, and exits by
-itself when its parent is SIGKILLed.
+a thread instead); the child runs at the lowest priority (nice 19, and
+SCHED_IDLE on Linux), reports a failed replan as an error, is killed by
+``close`` while it plans, and exits by itself when its parent is SIGKILLed.
 """
 
 import os
@@ -227,6 +227,8 @@ class ProcessReplannerTest(unittest.TestCase):
             pid = replanner.pid
             assert pid is not None
             self.assertEqual(os.getpriority(os.PRIO_PROCESS, pid), 19)
+            if hasattr(os, "SCHED_IDLE"):
+                self.assertEqual(os.sched_getscheduler(pid), os.SCHED_IDLE)
             self.assertGreater(seen.calls, 0)  # the profiler was on
             self.assertEqual(seen.planner, set())
             result = replanner.take()
