@@ -12,10 +12,11 @@ Pure: splits of hot shards in the per-window search, for what moving whole
 shards cannot fix (a table hotter than the mean rank).
 
 After the moves (``search.search_moves``), while the slowest rank can be
-cut, the costliest splittable shard on it is halved by columns: the left
-half stays, the right half goes to one of the least loaded ranks. A
-table-wise table becomes column-wise with two shards, a column-wise one gets
-one shard more (``k`` shards become ``2k`` after ``k`` splits). The same
+cut, a splittable shard on it is cut by columns: its left part stays, its
+right part, as wide as best evens the two ranks, goes to one of the least
+loaded ranks (the split that leaves the pair lowest wins). A table-wise
+table becomes column-wise with two shards, a column-wise one gets one shard
+more (``k`` shards become ``2k`` after ``k`` splits). The same
 rules as moves: never over a rank's memory, never two shards of a table on
 one rank, the bytes moved priced at ``byte_price`` seconds per step (a split
 that does not pay for its bytes is not made), within ``move_budget`` bytes
@@ -74,7 +75,7 @@ class SplitResult:
 
 def split_width(cols: int, align: int = ALIGN) -> Optional[int]:
     """
-    The width of the left half when a shard of ``cols`` columns is split
+    The width of the left half when a shard of ``cols`` columns is halved
     (both halves multiples of ``align``, the left the wider), None if it
     cannot be.
     """
@@ -82,6 +83,16 @@ def split_width(cols: int, align: int = ALIGN) -> Optional[int]:
     if cols % align or blocks < 2:
         return None
     return (blocks - blocks // 2) * align
+
+
+def cut_width(cols: int, gap_cols: float, align: int = ALIGN) -> int:
+    """
+    The width of the piece cut off a shard of ``cols`` columns (a multiple
+    of ``align``, leaving at least ``align``) that best evens two ranks
+    whose loads differ by ``gap_cols`` columns' worth of the table.
+    """
+    blocks = round(gap_cols / 2 / align)
+    return max(1, min(blocks, cols // align - 1)) * align
 
 
 class _Splits:
@@ -182,24 +193,25 @@ class _Splits:
     ) -> Optional[Tuple[float, int, int, int, int]]:
         """(score, table, shard index, receiver, left width) of the best split."""
         top = self.load[s]
+        align = self.align
         best: Optional[Tuple[float, int, int, int, int]] = None
         for t in sorted(self.on[s]):
+            per_col = self.per_col[t]
+            if per_col <= 0:
+                continue
             for k, (rank, _, cols) in enumerate(self.shards[t]):
-                if rank != s:
+                if rank != s or cols < 2 * align or cols % align:
                     continue
-                left = split_width(cols, self.align)
-                if left is None:
-                    continue
-                right = cols - left
-                moved = self.per_col[t] * right
-                if top - moved >= ceiling:
-                    continue
-                nbytes = int(self.bytes_per_col[t] * right)
-                for d in receivers:  # least loaded first
-                    after = self.load[d] + moved
-                    if after >= ceiling:
-                        break
+                if top - per_col * (cols - align) >= ceiling:
+                    continue  # even the widest piece cuts too little
+                for d in receivers:
                     if d in self.holders[t]:
+                        continue
+                    right = cut_width(cols, (top - self.load[d]) / per_col, align)
+                    moved = per_col * right
+                    after = self.load[d] + moved
+                    nbytes = int(self.bytes_per_col[t] * right)
+                    if after >= ceiling or top - moved >= ceiling:
                         continue
                     if self.used[d] + nbytes > self.capacity[d]:
                         continue
@@ -211,10 +223,9 @@ class _Splits:
                     score = max(top - moved, after) + self.byte_price * nbytes
                     if score >= ceiling:
                         continue
-                    candidate = (score, t, k, d, left)
+                    candidate = (score, t, k, d, cols - right)
                     if best is None or candidate < best:
                         best = candidate
-                    break
         return best
 
     def apply(self, s: int, t: int, k: int, d: int, left: int) -> None:
