@@ -36,7 +36,6 @@ from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
@@ -44,6 +43,7 @@ from torchrec.distributed.resharding.rebalance.placement import (
 )
 from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
 from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 
 # Ranks' elements must spread this much (relative to their mean) for a fit
 # with a fixed part; below it the slope goes through the origin.

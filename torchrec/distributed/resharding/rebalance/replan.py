@@ -47,9 +47,9 @@ from torchrec.distributed.resharding.elastic_plan import (
 from torchrec.distributed.resharding.model import plan_delta
 from torchrec.distributed.resharding.model_view import plain_twin
 from torchrec.distributed.resharding.plan import Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.relabel import relabel_plan
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
