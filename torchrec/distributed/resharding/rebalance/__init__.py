@@ -13,9 +13,9 @@ A running job that rebalances itself: a consumer of the resharding engine
 delta through ``model.plan_delta``, agrees through ``agreement`` and moves
 through ``DistributedModelParallel.reshard``), never a part of it.
 
-* ``load`` — what a running model measures: ids per feature, seconds per
-  rank, one all-reduce per window (``statistics``, pure: the window's
-  figures from the reduced vector);
+* ``monitor`` — what a running model measures: ids per feature, seconds
+  per rank, one all-reduce per window; ``statistics`` — pure: the window's
+  figures from the reduced vector (``load`` gives both under its old name);
 * ``placement`` — pure: the model's shards as units of work on ranks (the
   engine's ``TableLayout``), and moves of them as a new plan;
 * ``search`` — pure: the incremental local search (move or swap shards off

@@ -81,7 +81,7 @@ from torchrec.distributed.resharding.rebalance.costs import (
     StepPrediction,
     table_ids,
 )
-from torchrec.distributed.resharding.rebalance.load import LoadMonitor, LoadStatistics
+from torchrec.distributed.resharding.rebalance.monitor import LoadMonitor
 from torchrec.distributed.resharding.rebalance.placement import (
     device_for_rank,
     module_plan,
@@ -112,6 +112,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
     ThreadReplanner,
 )
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.runner import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroups
 from torchrec.distributed.types import (
