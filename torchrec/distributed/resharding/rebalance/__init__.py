@@ -26,7 +26,8 @@ through ``DistributedModelParallel.reshard``), never a part of it.
 * ``costs`` — pure: per-shard costs calibrated from measured kernel time, the
   predicted step time after a move, and the window's proposal;
 * ``policy`` — pure: when a reshard pays;
-* ``rebalancer`` — the loop: measure, propose, decide, reshard.
+* ``rebalancer`` — the loop: measure, propose, decide, reshard
+  (``options``: its settings in two groups).
 
 The public names are exported by ``torchrec.distributed.resharding``.
 """
