@@ -48,8 +48,20 @@ predicted step time against the reference model's after each reshard, and
 the engine's per-rank planning time. ``benchmarks/results/`` keeps a table,
 a JSON file and a plot.
 
+``--zipf S`` (issue 34) runs instead the loads that need splits: every
+table starts whole (table-wise), placed for a uniform load; then the ids
+per sample follow a Zipf law of exponent ``S`` (>= 1) over the tables, so
+that the hottest table outweighs the mean rank. Per case, the slowest
+rank's kernel time relative to the split bound (the mean rank, what
+splitting could reach at best): the whole-shard bound (the mean rank or
+the costliest whole table), the column bound (the costliest table cut in
+4-column shards), the static placement, the rebalancer's moves only and
+its moves with splits after ``--windows`` windows, the shards after, and
+the decision's CPU time per window with splits (median, max).
+
     python benchmarks/rebalance_scale_benchmark.py            # every case
     python benchmarks/rebalance_scale_benchmark.py --worlds 64 --tables 100
+    python benchmarks/rebalance_scale_benchmark.py --zipf 1.1 --windows 6
 """
 
 import argparse
@@ -369,6 +381,160 @@ def run_case(w: int, t: int, trace: str, args: argparse.Namespace) -> Case:
     return case
 
 
+def zipf_tables(rng: random.Random, t: int) -> List[Any]:
+    """Table-wise tables (1e5-1e6 rows, dim 64 or 128), ranks placeholders."""
+    from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+    from torchrec.distributed.resharding.rebalance.placement import TableInfo
+
+    infos = []
+    for i in range(t):
+        rows, dim = rng.randint(100_000, 1_000_000), rng.choice([64, 128])
+        layout = TableLayout(rows, dim, (PlacedShard(0, Rect(0, 0, rows, dim)),))
+        infos.append(TableInfo(PATH, f"t{i:04d}", "table_wise", layout, 8))
+    return infos
+
+
+def zipf_pooling(t: int, exponent: float, seed: int) -> List[float]:
+    """Ids per sample of each table: 64 / position^exponent, shuffled."""
+    order = list(range(t))
+    random.Random(seed).shuffle(order)
+    out = [0.0] * t
+    for position, table in enumerate(order):
+        out[table] = 64.0 / (position + 1) ** exponent
+    return out
+
+
+def with_split_layouts(placement: Any, proposal: Any) -> Any:
+    """The placement with a proposal's layouts and sharding types."""
+    from dataclasses import replace
+
+    from torchrec.distributed.resharding.rebalance.placement import (
+        placement_from_tables,
+    )
+
+    tables = [
+        replace(
+            t,
+            layout=proposal.layouts.get(t.key, t.layout),
+            sharding_type=proposal.sharding_types.get(t.key, t.sharding_type),
+        )
+        for t in placement.tables
+    ]
+    return placement_from_tables(tables, placement.world_size)
+
+
+def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """Static, moves only, moves and splits on a Zipf load, and the bounds."""
+    from torchrec.distributed.resharding.rebalance.costs import (
+        calibrate,
+        propose,
+        rank_elements,
+        table_ids,
+        unit_costs,
+    )
+    from torchrec.distributed.resharding.rebalance.placement import (
+        placement_from_tables,
+    )
+    from torchrec.distributed.resharding.rebalance.splits import ALIGN
+
+    rng = random.Random(args.seed * 1000 + w + t)
+    placement = placement_from_tables(zipf_tables(rng, t), w)
+    uniform = [4.0 * LOCAL_BATCH * w] * t
+    static = from_scratch(placement, unit_costs(placement.units, uniform, SLOPE_S))
+    ids = [p * LOCAL_BATCH * w for p in zipf_pooling(t, args.zipf, args.seed)]
+    costs = unit_costs(static.units, ids, SLOPE_S)
+    mean = sum(costs) / w
+    split_bound = FIXED_S + mean
+    whole_bound = FIXED_S + max(mean, max(costs))
+    column_bound = FIXED_S + max(
+        [mean]
+        + [c / max(1, tb.layout.cols // ALIGN) for c, tb in zip(costs, static.tables)]
+    )
+    out: Dict[str, Any] = {
+        "world": w,
+        "tables": t,
+        "zipf": args.zipf,
+        "split_bound_s": split_bound,
+        "whole_bound_s": whole_bound,
+        "column_bound_s": column_bound,
+        "static_s": max(true_kernels(static, ids, None)),
+    }
+    noise = random.Random(args.seed)
+    splittable = {tb.key for tb in static.tables}
+    for name, splits in (("moves", False), ("splits", True)):
+        placement, slope = static, None
+        cpu_ms: List[float] = []
+        for _ in range(args.windows):
+            stats = window_stats(placement, ids, noise)
+            gc.collect()
+            cpu = time.thread_time()
+            elements = rank_elements(placement.units, table_ids(stats, placement), w)
+            slope = calibrate(stats.compute_seconds, elements, slope)
+            assert slope is not None
+            proposal = propose(
+                stats,
+                placement,
+                slope,
+                [float("inf")] * w,
+                0.0,
+                None,
+                splittable if splits else None,
+            )
+            cpu_ms.append(1e3 * (time.thread_time() - cpu))
+            if not proposal.layouts or proposal.prediction.gain < 0.01:
+                break
+            placement = with_split_layouts(placement, proposal)
+        out[f"{name}_s"] = max(true_kernels(placement, ids, None))
+        out[f"{name}_cpu_ms"] = cpu_ms
+        out[f"{name}_shards"] = len(placement.units)
+    return out
+
+
+def zipf_table(rows: Sequence[Dict[str, Any]]) -> str:
+    head = (
+        f"{'W':>5} {'T':>5} {'zipf':>5} {'whole LB':>9} {'column LB':>9} "
+        f"{'static':>8} {'moves':>8} {'+splits':>8} {'shards':>11} "
+        f"{'cpu ms med':>10} {'max':>6}"
+    )
+    lines = [
+        "slowest rank's kernel time / split bound (the mean rank); shards: "
+        "before -> after splits; cpu ms: the decision per window with splits",
+        head,
+        "-" * len(head),
+    ]
+    for r in rows:
+        b = r["split_bound_s"]
+        cpu = r["splits_cpu_ms"]
+        lines.append(
+            f"{r['world']:>5} {r['tables']:>5} {r['zipf']:>5.2f} "
+            f"{r['whole_bound_s'] / b:>9.2f} {r['column_bound_s'] / b:>9.2f} "
+            f"{r['static_s'] / b:>8.2f} {r['moves_s'] / b:>8.2f} "
+            f"{r['splits_s'] / b:>8.2f} "
+            f"{str(r['tables']) + '->' + str(r['splits_shards']):>11} "
+            f"{statistics.median(cpu):>10.1f} {max(cpu):>6.1f}"
+        )
+    return "\n".join(lines)
+
+
+def zipf_main(args: argparse.Namespace) -> None:
+    rows = []
+    for w in args.worlds:
+        for t in args.tables:
+            rows.append(run_zipf_case(w, t, args))
+            print(zipf_table(rows[-1:]).splitlines()[-1], flush=True)
+    text = zipf_table(rows)
+    print()
+    print(text)
+    worst = max(max(r["splits_cpu_ms"]) for r in rows)
+    print(f"worst decision per window (CPU, with splits): {worst:.1f} ms")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + "_zipf.txt", "w") as f:
+        f.write(text + "\n")
+    with open(args.out + "_zipf.json", "w") as f:
+        json.dump({"args": vars(args), "cases": rows}, f, indent=1)
+    print(f"saved {args.out}_zipf.txt and .json")
+
+
 def fmt_phases(values: Sequence[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
@@ -448,6 +614,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8, help="windows per phase")
     p.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--zipf",
+        type=float,
+        default=None,
+        help="run the split cases on a Zipf load of this exponent (>= 1)",
+    )
     p.add_argument("--out", default=os.path.join(RESULTS, "rebalance_scale_benchmark"))
     args = p.parse_args(argv)
     args.worlds = [int(x) for x in args.worlds.split(",")]
@@ -455,11 +627,16 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args.traces = [x for x in args.traces.split(",") if x]
     if set(args.traces) - set(TRACES):
         p.error(f"--traces: one of {TRACES}")
+    if args.zipf is not None and args.zipf < 1.0:
+        p.error("--zipf: an exponent >= 1")
     return args
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
+    if args.zipf is not None:
+        zipf_main(args)
+        return
     cases = []
     for w in args.worlds:
         for t in args.tables:

@@ -59,8 +59,10 @@ from torchrec.distributed.planner import (
 )
 from torchrec.distributed.resharding import (
     dry_run,
+    MoveOptions,
     RebalancePolicy,
     Rebalancer,
+    ReplanOptions,
     ReshardOptions,
     TransactionReport,
 )
@@ -450,9 +452,11 @@ def rebalance_demo(args: argparse.Namespace, device: torch.device) -> int:
         model,
         make_topology(args),
         policy,
-        batch_size=args.batch_size,
-        constraints=make_constraints(args, shifted=False),
-        options=options,
+        replan=ReplanOptions(
+            batch_size=args.batch_size,
+            constraints=make_constraints(args, shifted=False),
+        ),
+        moves=MoveOptions(reshard=options),
     )
     say(f"phase 2/4 train with the Rebalancer ({policy})")
     stream = iter(batches)

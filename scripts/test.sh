@@ -50,4 +50,5 @@ fi
 # test/ is given as a path: with --pyargs a bare "test" would be the stdlib package.
 exec "$VENV/bin/pytest" -p no:cacheprovider ${k[@]+"${k[@]}"} "$REPO/test" --pyargs \
     torchrec.distributed.tests torchrec.distributed.resharding.tests \
+    torchrec.distributed.resharding.rebalance.tests \
     torchrec.optim.tests ${args[@]+"${args[@]}"}

@@ -40,6 +40,10 @@ from torchrec.distributed.resharding.rebalance.load import (  # noqa
     LoadStatistics,
     TableLoad,
 )
+from torchrec.distributed.resharding.rebalance.options import (  # noqa
+    MoveOptions,
+    ReplanOptions,
+)
 from torchrec.distributed.resharding.rebalance.policy import (  # noqa
     PolicyState,
     RebalancePolicy,
@@ -91,11 +95,13 @@ __all__ = [
     "unshard_model",
     "LoadMonitor",
     "LoadStatistics",
+    "MoveOptions",
     "PolicyState",
     "RebalanceDecision",
     "RebalancePolicy",
     "Rebalancer",
     "Relabelling",
+    "ReplanOptions",
     "ReplanRequest",
     "ReshardOutcome",
     "SearchResult",

@@ -27,21 +27,23 @@ time a move leaves.
   slowed by a neighbour for a window): the saving is never taken above what
   the calibrated costs alone give (the slope times the cut of the busiest
   rank's elements), so noise on one rank does not pay for a move.
-* ``propose`` runs the incremental search on one window's statistics.
+* ``propose`` runs the incremental search on one window's statistics, and
+  then, for the tables it may split, the split search on the moves' result.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
     ShardUnit,
 )
 from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
+from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 
 # Ranks' elements must spread this much (relative to their mean) for a fit
 # with a fixed part; below it the slope goes through the origin.
@@ -105,11 +107,17 @@ class Proposal:
         prediction (StepPrediction): step time before and after.
         search (Optional[SearchResult]): the incremental search's result,
             None for a candidate from elsewhere (the full planner).
+        sharding_types (Dict[str, str]): table key -> its new sharding type
+            (the tables split).
+        splits (Optional[SplitResult]): the split search's result, None when
+            it did not run.
     """
 
     layouts: Dict[str, TableLayout]
     prediction: StepPrediction
     search: Optional[SearchResult] = None
+    sharding_types: Dict[str, str] = field(default_factory=dict)
+    splits: Optional[SplitResult] = None
 
 
 def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
@@ -221,9 +229,11 @@ def propose(
     capacity: Sequence[float],
     byte_price: float = 0.0,
     move_budget: Optional[int] = None,
+    splittable: Optional[AbstractSet[str]] = None,
 ) -> Proposal:
     """
-    The incremental search on one window's statistics.
+    The incremental search on one window's statistics (moves and swaps, then
+    splits of the ``splittable`` tables).
 
     Args:
         stats (LoadStatistics): the window (identical on every rank).
@@ -233,9 +243,11 @@ def propose(
         byte_price (float): seconds per step one byte moved costs.
         move_budget (Optional[int]): the most bytes a rank may send plus
             receive.
+        splittable (Optional[AbstractSet[str]]): keys of the tables whose
+            shards may be split (None or empty: no splits).
 
     Returns:
-        Proposal: the moves' layouts and the predicted step time.
+        Proposal: the new layouts and the predicted step time.
     """
     ids = table_ids(stats, placement)
     costs = unit_costs(placement.units, ids, seconds_per_element)
@@ -247,15 +259,44 @@ def propose(
         byte_price=byte_price,
         move_budget=move_budget,
     )
-    before = rank_elements(placement.units, ids, placement.world_size)
-    after = list(before)
+    layouts = moved_layouts(placement, result.moves)
+    loads: Sequence[float] = result.loads
+    types: Dict[str, str] = {}
+    split: Optional[SplitResult] = None
+    where = [u.rank for u in placement.units]
     for index, rank in result.moves:
-        unit = placement.units[index]
-        after[unit.rank] -= ids[unit.table] * unit.work
+        where[index] = rank
+    after = [0.0] * placement.world_size
+    for unit, rank in zip(placement.units, where):
         after[rank] += ids[unit.table] * unit.work
+    if splittable:
+        split = search_splits(
+            placement,
+            result.loads,
+            costs,
+            capacity,
+            splittable,
+            byte_price=byte_price,
+            move_budget=move_budget,
+            traffic=result.rank_bytes,
+            where=where,
+        )
+        index = {t.key: i for i, t in enumerate(placement.tables)}
+        split_tables = {index[key] for key in split.layouts}
+        for i, unit in enumerate(placement.units):  # split: before, less
+            if unit.table in split_tables:
+                after[where[i]] -= ids[unit.table] * unit.work
+        for key, layout in split.layouts.items():  # and after (every row)
+            for shard in layout.shards:
+                after[shard.rank] += ids[index[key]] * shard.rect.cols
+        layouts.update(split.layouts)
+        types, loads = dict(split.sharding_types), split.loads
+    before = rank_elements(placement.units, ids, placement.world_size)
     saving = modelled_saving(before, after, seconds_per_element)
     return Proposal(
-        layouts=moved_layouts(placement, result.moves),
-        prediction=predict_step(stats, result.loads, saving),
+        layouts=layouts,
+        prediction=predict_step(stats, loads, saving),
         search=result,
+        sharding_types=types,
+        splits=split,
     )

@@ -21,7 +21,7 @@ data-parallel replicas stay. Moves become layouts (``moved_layouts``) and
 """
 
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
@@ -256,6 +256,7 @@ def plan_with_layouts(
     placement: Placement,
     layouts: Mapping[str, TableLayout],
     device_of: Callable[[int], str],
+    sharding_types: Optional[Mapping[str, str]] = None,
 ) -> ShardingPlan:
     """
     Args:
@@ -263,6 +264,8 @@ def plan_with_layouts(
         placement (Placement): its placement.
         layouts (Mapping[str, TableLayout]): new layouts, by table key.
         device_of (Callable[[int], str]): the device of a rank's shards.
+        sharding_types (Optional[Mapping[str, str]]): new sharding types, by
+            table key (a split table becomes column-wise).
 
     Returns:
         ShardingPlan: ``plan`` with the tables of ``layouts`` laid out anew;
@@ -277,5 +280,7 @@ def plan_with_layouts(
             key = keys[(path, name)]
             if key in layouts:
                 new[name] = sharding_for_layout(sharding, layouts[key], device_of)
+            if sharding_types and key in sharding_types:
+                new[name] = replace(new[name], sharding_type=sharding_types[key])
         modules[path] = new
     return ShardingPlan(modules)

@@ -70,8 +70,15 @@ class RebalancePolicy:
             that failed or found nothing worth it, the next one waits as long.
         full_replan (bool): when the incremental search cannot reach
             ``min_gain`` but splitting shards could, run TorchRec's full
-            planner in a background thread of one rank (never inside a step)
-            and consider its plan at a later window.
+            planner in a process of its own on one rank (never inside a step,
+            never in a thread of the training process) and consider its plan
+            at a later window.
+        split_shards (bool): the per-window search may also split a hot
+            table's shards by columns (table-wise to column-wise, one more
+            column-wise shard per split) onto the least loaded ranks
+            (``splits.search_splits``), for a table hotter than moving whole
+            shards can fix; only tables whose user constraints allow
+            column-wise sharding (or give no sharding types).
     """
 
     window: int = 50
@@ -83,6 +90,7 @@ class RebalancePolicy:
     default_bandwidth: Optional[float] = None
     backoff: int = 2
     full_replan: bool = True
+    split_shards: bool = False
 
     def __post_init__(self) -> None:
         problems = []

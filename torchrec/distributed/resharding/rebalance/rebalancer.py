@@ -26,7 +26,7 @@ the policy's state, the settings), so that every rank sees whether they all
 decide from the same. Every rank then runs the same deterministic search on
 the same statistics and reaches the same candidate: no plan is broadcast.
 When moving whole shards cannot reach the policy's gain but splitting them
-could, group rank 0 starts TorchRec's full planner in a background thread;
+could, group rank 0 starts TorchRec's full planner in a process of its own;
 a later window's all-reduce says its result is ready, and the ranks agree on
 it through the engine's agreement before they consider it. A reshard that
 fails or aborts leaves the model on its old plan and backs the policy off;
@@ -37,7 +37,7 @@ nothing else in the model changes. ``history`` keeps every decision and
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -70,7 +70,12 @@ from torchrec.distributed.resharding.rebalance.costs import (
     StepPrediction,
     table_ids,
 )
-from torchrec.distributed.resharding.rebalance.load import LoadMonitor, LoadStatistics
+from torchrec.distributed.resharding.rebalance.monitor import LoadMonitor
+from torchrec.distributed.resharding.rebalance.options import (
+    legacy_options,
+    MoveOptions,
+    ReplanOptions,
+)
 from torchrec.distributed.resharding.rebalance.placement import (
     device_for_rank,
     module_plan,
@@ -93,14 +98,14 @@ from torchrec.distributed.resharding.rebalance.policy import (
     with_bandwidth,
 )
 from torchrec.distributed.resharding.rebalance.replan import (
-    BackgroundReplanner,
-    full_replan,
     measured_constraints,
     needs_dense_rebuild,
     planning_definition,
-    Replanner,
     ReplanRequest,
+    ThreadReplanner,
 )
+from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.runner import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroups
 from torchrec.distributed.types import (
@@ -109,6 +114,7 @@ from torchrec.distributed.types import (
     ModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
+    ShardingType,
 )
 from torchrec.modules.embedding_configs import data_type_to_dtype
 
@@ -288,27 +294,16 @@ class Rebalancer:
         topology (Topology): the job's topology (each rank's memory bounds the
             moves; the full planner plans on it).
         policy (Optional[RebalancePolicy]): when to reshard.
-        batch_size (Optional[int]): samples per rank and step, for the full
-            planner (default: measured).
-        constraints (Optional[Mapping[str, ParameterConstraints]]): the user's
-            constraints for the full planner; measured load replaces their
-            pooling figures.
-        sharders (Optional[Sequence[ModuleSharder[nn.Module]]]): for the full
-            planner (default: the model's).
-        options (Optional[ReshardOptions]): how reshards (and dry runs) run;
-            the rebalancer keeps its exchange groups connected between its
-            reshards (in the options' ``ExchangeGroups``, else in its own,
-            which :meth:`close` shuts down).
-        rebuild_optimizer (Optional[Callable[[nn.Module], None]]): called with
-            the model after a reshard that rebuilt dense or data-parallel
-            tables; without it such candidates are refused.
-        keep_kernels (bool): tables without kernel constraints keep theirs.
-        allow_data_parallel (bool): tables without sharding-type constraints
-            may become data-parallel.
-        state_factor (float): bytes a rank holds per byte of a table's
-            weights (weights and optimizer state), for its memory.
-        replanner (Optional[Replanner]): the full replan run in the background
-            (default: ``replan.full_replan``, TorchRec's planner).
+        replan (Optional[ReplanOptions]): what the full replan plans with
+            (batch size, constraints, sharders, kernels, the replanner).
+        moves (Optional[MoveOptions]): how the reshards run (its
+            ``ReshardOptions``), the optimizer rebuild, the state factor.
+
+    The keywords the constructor took before the groups (``batch_size``,
+    ``constraints``, ``sharders``, ``options``, ``rebuild_optimizer``,
+    ``keep_kernels``, ``allow_data_parallel``, ``state_factor``,
+    ``replanner``, also by position after ``policy``) still work, with a
+    ``DeprecationWarning``.
 
     Raises:
         ValueError: for a bad policy or budget, a topology of another size.
@@ -319,16 +314,15 @@ class Rebalancer:
         model: nn.Module,
         topology: Topology,
         policy: Optional[RebalancePolicy] = None,
-        batch_size: Optional[int] = None,
-        constraints: Optional[Mapping[str, ParameterConstraints]] = None,
-        sharders: Optional[Sequence[ModuleSharder[nn.Module]]] = None,
-        options: Optional[ReshardOptions] = None,
-        rebuild_optimizer: Optional[Callable[[nn.Module], None]] = None,
-        keep_kernels: bool = True,
-        allow_data_parallel: bool = False,
-        state_factor: float = 2.0,
-        replanner: Optional[Replanner] = None,
+        *args: Any,
+        replan: Optional[ReplanOptions] = None,
+        moves: Optional[MoveOptions] = None,
+        **legacy: Any,
     ) -> None:
+        replan, moves = legacy_options(args, legacy, replan, moves)
+        self.replan_options: ReplanOptions = replan
+        self.move_options: MoveOptions = moves
+        state_factor = moves.state_factor
         if not hasattr(model, "plan") or not hasattr(model, "reshard"):
             raise ValueError("Rebalancer needs a DistributedModelParallel model")
         policy = policy if policy is not None else RebalancePolicy()
@@ -352,12 +346,14 @@ class Rebalancer:
         self.policy: RebalancePolicy = policy.on_device(model.device.type)
         self._model = model
         self._topology = topology
-        self._batch_size = batch_size
-        self._constraints: Dict[str, ParameterConstraints] = dict(constraints or {})
-        self._sharders: List[ModuleSharder[nn.Module]] = list(
-            sharders if sharders is not None else model_sharders(model)
+        self._batch_size: Optional[int] = replan.batch_size
+        self._constraints: Dict[str, ParameterConstraints] = dict(
+            replan.constraints or {}
         )
-        options = options or ReshardOptions()
+        self._sharders: List[ModuleSharder[nn.Module]] = list(
+            replan.sharders if replan.sharders is not None else model_sharders(model)
+        )
+        options = moves.reshard or ReshardOptions()
         # the rebalancer's reshards connect each set of ranks once
         self._own_groups: Optional[ExchangeGroups] = (
             None if options.exchange_groups is not None else ExchangeGroups()
@@ -367,11 +363,11 @@ class Rebalancer:
             if self._own_groups is None
             else replace(options, exchange_groups=self._own_groups)
         )
-        self._rebuild_optimizer = rebuild_optimizer
-        self._keep_kernels = keep_kernels
-        self._allow_data_parallel = allow_data_parallel
-        self._state_factor = state_factor
-        self._settings: str = repr((policy, state_factor, keep_kernels))
+        self._rebuild_optimizer = moves.rebuild_optimizer
+        self._keep_kernels: bool = replan.keep_kernels
+        self._allow_data_parallel: bool = replan.allow_data_parallel
+        self._state_factor: float = state_factor
+        self._settings: str = repr((policy, state_factor, replan.keep_kernels))
         self._capacity: List[float] = [
             float(d.storage.hbm if topology.compute_device == "cuda" else d.storage.ddr)
             for d in topology.devices
@@ -380,7 +376,11 @@ class Rebalancer:
         self._view: _ModelView = self._read_model()
         _check_budget(policy, self._view)
         self._monitor: LoadMonitor = LoadMonitor.for_model(model)
-        self._background = BackgroundReplanner(replanner or full_replan)
+        self._background: Union[ProcessReplanner, ThreadReplanner] = (
+            ProcessReplanner()
+            if replan.replanner is None
+            else ThreadReplanner(replan.replanner)
+        )
         self._replan_digest: int = 0
         self._state: PolicyState = PolicyState()
         self._seconds_per_element: Optional[float] = None
@@ -404,10 +404,12 @@ class Rebalancer:
 
     def close(self) -> None:
         """
-        Removes the monitor's hooks and shuts down the exchange groups kept
-        for the reshards; ``step()`` must not be called after.
+        Removes the monitor's hooks, ends the replan process and shuts down
+        the exchange groups kept for the reshards; ``step()`` must not be
+        called after.
         """
         self._monitor.remove()
+        self._background.close()
         if self._own_groups is not None:
             self._own_groups.close()
 
@@ -535,6 +537,7 @@ class Rebalancer:
             self._capacity,
             byte_price(self.policy, self._state),
             self.policy.move_budget_bytes,
+            self._splittable(view) if self.policy.split_shards else None,
         )
         prediction = proposal.prediction
         decision = self._with_prediction(decision, prediction, "search")
@@ -563,9 +566,24 @@ class Rebalancer:
         if reason is not None:
             return replace(decision, reason=reason)
         candidate = plan_with_layouts(
-            view.plan, view.placement, proposal.layouts, self._device_of
+            view.plan,
+            view.placement,
+            proposal.layouts,
+            self._device_of,
+            proposal.sharding_types,
         )
         return self._try_reshard(candidate, prediction, decision)
+
+    def _splittable(self, view: _ModelView) -> Set[str]:
+        """Keys of the tables the user's constraints let become column-wise."""
+        column_wise = ShardingType.COLUMN_WISE.value
+        out = set()
+        for table in view.placement.tables:
+            constraint = self._constraints.get(table.name)
+            types = None if constraint is None else constraint.sharding_types
+            if types is None or column_wise in types:
+                out.add(table.key)
+        return out
 
     def _with_prediction(
         self, decision: RebalanceDecision, prediction: StepPrediction, source: str

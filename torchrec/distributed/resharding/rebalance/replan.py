@@ -20,14 +20,18 @@ A full replan with TorchRec's own planner, off the critical path.
   model's unsharded definition, gives every table whose layout it keeps the
   current ``ParameterSharding`` (``align_with_current``) and relabels its
   ranks to keep the most bytes in place (``relabel``);
-* ``BackgroundReplanner`` runs it in a daemon thread: ``start`` returns at
-  once, a later window asks ``ready`` and ``take``s the result (a plan or the
-  error). The planner takes minutes to hours at a thousand ranks: no step
-  ever waits for it.
+* the Rebalancer runs it in a process of its own
+  (``replan_process.ProcessReplanner``): ``start`` returns at once, a later
+  window asks ``ready`` and ``take``s the result (a plan or the error). The
+  planner takes minutes to hours at a thousand ranks: no step ever waits for
+  it. ``BackgroundReplanner``, the same calls in a daemon thread of the
+  training process, is deprecated: the planner is pure Python and, in a
+  thread, holds the interpreter lock the training steps need.
 """
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -43,9 +47,9 @@ from torchrec.distributed.resharding.elastic_plan import (
 from torchrec.distributed.resharding.model import plan_delta
 from torchrec.distributed.resharding.model_view import plain_twin
 from torchrec.distributed.resharding.plan import Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.relabel import relabel_plan
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -311,11 +315,14 @@ class ReplanResult:
 Replanner = Callable[[ReplanRequest], ShardingPlan]
 
 
-class BackgroundReplanner:
+class ThreadReplanner:
     """
-    At most one full replan at a time, in a daemon thread of this process:
+    At most one replan at a time, in a daemon thread of this process:
     ``start`` returns at once; ``ready`` tells whether the result waits;
-    ``take`` hands it over (and frees the slot).
+    ``take`` hands it over (and frees the slot). Only for a replanner that
+    mostly waits (on another service, or a test's event): a CPU-bound one
+    holds the interpreter lock the training steps need
+    (``replan_process.ProcessReplanner`` runs one in a process).
 
     Args:
         replan (Replanner): plans a request (default: ``full_replan``).
@@ -358,6 +365,9 @@ class BackgroundReplanner:
             result, self._result = self._result, None
             return result
 
+    def close(self) -> None:
+        """Nothing to end: the daemon thread finishes on its own."""
+
     def _run(self, request: ReplanRequest) -> None:
         start = time.perf_counter()
         plan: Optional[ShardingPlan] = None
@@ -371,3 +381,24 @@ class BackgroundReplanner:
             self._result = ReplanResult(
                 request.step, plan, error, time.perf_counter() - start
             )
+
+
+class BackgroundReplanner(ThreadReplanner):
+    """
+    Deprecated: TorchRec's planner in a thread of the training process slows
+    every step while it runs (the interpreter lock). ``Rebalancer`` runs it
+    in a process (``replan_process.ProcessReplanner``, the same calls).
+
+    Args:
+        replan (Replanner): plans a request (default: ``full_replan``).
+    """
+
+    def __init__(self, replan: Replanner = full_replan) -> None:
+        warnings.warn(
+            "BackgroundReplanner is deprecated: the full replan runs in a process "
+            "of its own (replan_process.ProcessReplanner); ThreadReplanner keeps "
+            "a thread for a replanner that only waits",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        super().__init__(replan)

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Pure: splits of hot shards in the per-window search, for what moving whole
+shards cannot fix (a table hotter than the mean rank).
+
+After the moves (``search.search_moves``), while the slowest rank can be
+cut, a splittable shard on it is cut by columns: its left part stays, its
+right part, as wide as best evens the two ranks, goes to one of the least
+loaded ranks (the split that leaves the pair lowest wins). A table-wise
+table becomes column-wise with two shards, a column-wise one gets one shard
+more (``k`` shards become ``2k`` after ``k`` splits). The same
+rules as moves: never over a rank's memory, never two shards of a table on
+one rank, the bytes moved priced at ``byte_price`` seconds per step (a split
+that does not pay for its bytes is not made), within ``move_budget`` bytes
+per rank, ties to the lowest index (every rank finds the same splits). The
+geometry is the engine's: column-wise shards span every row and tile the
+columns, each ``ALIGN`` columns wide or a multiple of it (fbgemm's kernels
+need widths that are multiples of 4). Row-wise, grid and data-parallel
+tables, and tables whose user constraints name no column-wise sharding, are
+never split. The cost of a shard is its table's cost per column times its
+width (an id reads every column of a column-wise table once).
+"""
+
+import heapq
+from dataclasses import dataclass, replace
+from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
+
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.placement import Placement
+from torchrec.distributed.types import ShardingType
+
+ALIGN: int = 4  # a split shard's width is a multiple of this
+RECEIVERS: int = 8  # the least loaded ranks tried per split
+
+SPLITTABLE_TYPES: Tuple[str, ...] = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+)
+
+
+@dataclass(frozen=True)
+class SplitResult:
+    """
+    What the split search found.
+
+    Args:
+        layouts (Dict[str, TableLayout]): table key -> its layout after the
+            splits (only tables split; shards by column).
+        sharding_types (Dict[str, str]): table key -> its sharding type
+            after (column-wise for every table split).
+        loads (Tuple[float, ...]): per rank, the predicted load after.
+        slowest_before (float): the slowest rank's load before.
+        slowest_after (float): the same after the splits.
+        rank_bytes (Tuple[int, ...]): per rank, bytes sent plus received
+            (the moves' and the splits').
+        splits (int): shards halved.
+    """
+
+    layouts: Dict[str, TableLayout]
+    sharding_types: Dict[str, str]
+    loads: Tuple[float, ...]
+    slowest_before: float
+    slowest_after: float
+    rank_bytes: Tuple[int, ...]
+    splits: int
+
+
+def split_width(cols: int, align: int = ALIGN) -> Optional[int]:
+    """
+    The width of the left half when a shard of ``cols`` columns is halved
+    (both halves multiples of ``align``, the left the wider), None if it
+    cannot be.
+    """
+    blocks = cols // align
+    if cols % align or blocks < 2:
+        return None
+    return (blocks - blocks // 2) * align
+
+
+def cut_width(cols: int, gap_cols: float, align: int = ALIGN) -> int:
+    """
+    The width of the piece cut off a shard of ``cols`` columns (a multiple
+    of ``align``, leaving at least ``align``) that best evens two ranks
+    whose loads differ by ``gap_cols`` columns' worth of the table.
+    """
+    blocks = round(gap_cols / 2 / align)
+    return max(1, min(blocks, cols // align - 1)) * align
+
+
+class _Splits:
+    """The split search's mutable state; ``run`` does the work."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        loads: Sequence[float],
+        costs: Sequence[float],
+        capacity: Sequence[float],
+        byte_price: float,
+        move_budget: Optional[int],
+        traffic: Sequence[int],
+        splittable: AbstractSet[str],
+        align: int,
+        where: Sequence[int],
+    ) -> None:
+        world_size = placement.world_size
+        self.placement = placement
+        self.capacity = capacity
+        self.byte_price = byte_price
+        self.move_budget = move_budget
+        self.align = align
+        self.load: List[float] = [float(v) for v in loads]
+        self.used: List[int] = [0] * world_size
+        self.traffic: List[int] = list(traffic)
+        # per table: its shards as [rank, col, cols], its cost per column,
+        # bytes per column, the ranks holding a shard
+        self.shards: Dict[int, List[List[int]]] = {}
+        self.per_col: Dict[int, float] = {}
+        self.bytes_per_col: Dict[int, float] = {}
+        self.holders: Dict[int, Set[int]] = {}
+        self.on: List[Set[int]] = [set() for _ in range(world_size)]
+        rank_of: Dict[Tuple[int, int], int] = {}
+        for unit, rank in zip(placement.units, where):
+            self.used[rank] += unit.nbytes
+            self.holders.setdefault(unit.table, set()).add(rank)
+            rank_of[(unit.table, unit.shard)] = rank
+        for t, table in enumerate(placement.tables):
+            layout = table.layout
+            if (
+                table.key not in splittable
+                or table.sharding_type not in SPLITTABLE_TYPES
+                or layout.replicated
+                or any(s.rect.rows != layout.rows for s in layout.shards)
+            ):
+                continue
+            self.shards[t] = [
+                [rank_of[(t, k)], s.rect.col, s.rect.cols]
+                for k, s in enumerate(layout.shards)
+            ]
+            self.per_col[t] = 0.0
+            self.bytes_per_col[t] = layout.rows * table.element_bytes
+            for rank, _, _ in self.shards[t]:
+                self.on[rank].add(t)
+        for unit, cost in zip(placement.units, costs):
+            if unit.table in self.per_col:
+                self.per_col[unit.table] += (
+                    cost / placement.tables[unit.table].layout.cols
+                )
+        self.high: List[Tuple[float, int]] = [(-v, r) for r, v in enumerate(self.load)]
+        heapq.heapify(self.high)
+        self.low: List[Tuple[float, int]] = [(v, r) for r, v in enumerate(self.load)]
+        heapq.heapify(self.low)
+        self.split_tables: Set[int] = set()
+
+    def slowest(self) -> int:
+        high, load = self.high, self.load
+        while -high[0][0] != load[high[0][1]]:
+            heapq.heappop(high)
+        return high[0][1]
+
+    def least_loaded(self, count: int, skip: int) -> List[int]:
+        low, load = self.low, self.load
+        out: List[int] = []
+        kept: List[Tuple[float, int]] = []
+        seen: Set[int] = set()
+        while low and len(out) < count:
+            value, rank = heapq.heappop(low)
+            if value != load[rank] or rank in seen:
+                continue
+            seen.add(rank)
+            kept.append((value, rank))
+            if rank != skip:
+                out.append(rank)
+        for entry in kept:
+            heapq.heappush(low, entry)
+        return out
+
+    def set_load(self, rank: int, value: float) -> None:
+        self.load[rank] = value
+        heapq.heappush(self.high, (-value, rank))
+        heapq.heappush(self.low, (value, rank))
+
+    def best_split(
+        self, s: int, receivers: Sequence[int], ceiling: float
+    ) -> Optional[Tuple[float, int, int, int, int]]:
+        """(score, table, shard index, receiver, left width) of the best split."""
+        top = self.load[s]
+        align = self.align
+        best: Optional[Tuple[float, int, int, int, int]] = None
+        for t in sorted(self.on[s]):
+            per_col = self.per_col[t]
+            if per_col <= 0:
+                continue
+            for k, (rank, _, cols) in enumerate(self.shards[t]):
+                if rank != s or cols < 2 * align or cols % align:
+                    continue
+                if top - per_col * (cols - align) >= ceiling:
+                    continue  # even the widest piece cuts too little
+                for d in receivers:
+                    if d in self.holders[t]:
+                        continue
+                    right = cut_width(cols, (top - self.load[d]) / per_col, align)
+                    moved = per_col * right
+                    after = self.load[d] + moved
+                    nbytes = int(self.bytes_per_col[t] * right)
+                    if after >= ceiling or top - moved >= ceiling:
+                        continue
+                    if self.used[d] + nbytes > self.capacity[d]:
+                        continue
+                    if self.move_budget is not None and (
+                        self.traffic[s] + nbytes > self.move_budget
+                        or self.traffic[d] + nbytes > self.move_budget
+                    ):
+                        continue
+                    score = max(top - moved, after) + self.byte_price * nbytes
+                    if score >= ceiling:
+                        continue
+                    candidate = (score, t, k, d, cols - right)
+                    if best is None or candidate < best:
+                        best = candidate
+        return best
+
+    def apply(self, s: int, t: int, k: int, d: int, left: int) -> None:
+        rank, col, cols = self.shards[t][k]
+        right = cols - left
+        moved = self.per_col[t] * right
+        nbytes = int(self.bytes_per_col[t] * right)
+        self.shards[t][k] = [rank, col, left]
+        self.shards[t].append([d, col + left, right])
+        self.holders[t].add(d)
+        self.on[d].add(t)
+        self.used[s] -= nbytes
+        self.used[d] += nbytes
+        self.traffic[s] += nbytes
+        self.traffic[d] += nbytes
+        self.set_load(s, self.load[s] - moved)
+        self.set_load(d, self.load[d] + moved)
+        self.split_tables.add(t)
+
+    def run(self, floor: float, min_cut: float, max_splits: int) -> int:
+        splits = 0
+        while splits < max_splits:
+            s = self.slowest()
+            top = self.load[s]
+            if top <= floor:
+                break
+            best = self.best_split(
+                s, self.least_loaded(RECEIVERS, s), top * (1.0 - min_cut)
+            )
+            if best is None:
+                break
+            _, t, k, d, left = best
+            self.apply(s, t, k, d, left)
+            splits += 1
+        return splits
+
+    def layouts(self) -> Tuple[Dict[str, TableLayout], Dict[str, str]]:
+        layouts: Dict[str, TableLayout] = {}
+        types: Dict[str, str] = {}
+        for t in sorted(self.split_tables):
+            table = self.placement.tables[t]
+            rows = table.layout.rows
+            shards = tuple(
+                PlacedShard(rank, Rect(0, col, rows, cols))
+                for rank, col, cols in sorted(self.shards[t], key=lambda s: s[1])
+            )
+            layouts[table.key] = replace(table.layout, shards=shards)
+            types[table.key] = ShardingType.COLUMN_WISE.value
+        return layouts, types
+
+
+def search_splits(
+    placement: Placement,
+    loads: Sequence[float],
+    costs: Sequence[float],
+    capacity: Sequence[float],
+    splittable: AbstractSet[str],
+    byte_price: float = 0.0,
+    move_budget: Optional[int] = None,
+    traffic: Optional[Sequence[int]] = None,
+    where: Optional[Sequence[int]] = None,
+    min_cut: float = 0.005,
+    max_splits: Optional[int] = None,
+    align: int = ALIGN,
+) -> SplitResult:
+    """
+    Halves hot shards (by columns) onto the least loaded ranks while that
+    cuts the slowest rank.
+
+    Args:
+        placement (Placement): the placement before the window's moves.
+        loads (Sequence[float]): per rank, its load (after the moves).
+        costs (Sequence[float]): per unit of ``placement``, its share of its
+            rank's load.
+        capacity (Sequence[float]): per rank, the most bytes it may hold.
+        splittable (AbstractSet[str]): keys of the tables that may be split.
+        byte_price (float): seconds per step one byte moved costs.
+        move_budget (Optional[int]): the most bytes a rank may send plus
+            receive (None: no limit).
+        traffic (Optional[Sequence[int]]): per rank, bytes the moves already
+            send plus receive.
+        where (Optional[Sequence[int]]): per unit, its rank after the moves
+            (default: where it is).
+        min_cut (float): the least relative cut of the slowest rank a split
+            must make.
+        max_splits (Optional[int]): the most splits (default: one per rank).
+        align (int): split widths are multiples of it.
+
+    Returns:
+        SplitResult: the split tables' layouts and the loads after.
+    """
+    if len(placement.units) != len(costs):
+        raise ValueError(f"{len(placement.units)} units but {len(costs)} costs")
+    world_size = placement.world_size
+    if not (len(loads) == len(capacity) == world_size):
+        raise ValueError(
+            f"{world_size} ranks but {len(loads)} loads, {len(capacity)} capacities"
+        )
+    before = max(loads, default=0.0)
+    state = _Splits(
+        placement,
+        loads,
+        costs,
+        capacity,
+        byte_price,
+        move_budget,
+        traffic if traffic is not None else [0] * world_size,
+        splittable,
+        align,
+        where if where is not None else [u.rank for u in placement.units],
+    )
+    splits = 0
+    if loads and before > 0:
+        mean = sum(loads) / world_size
+        limit = max_splits if max_splits is not None else world_size
+        splits = state.run(mean * (1.0 + 1e-9), min_cut, limit)
+    layouts, types = state.layouts()
+    return SplitResult(
+        layouts=layouts,
+        sharding_types=types,
+        loads=tuple(state.load),
+        slowest_before=before,
+        slowest_after=max(state.load, default=0.0),
+        rank_bytes=tuple(state.traffic),
+        splits=splits,
+    )

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Splits in the per-window search (pure): a table-wise table hotter than moves
+can fix becomes column-wise on the least loaded rank, its halves tiling its
+columns in widths that are multiples of 4; a column-wise shard halves again
+(k shards to 2k); the loads after are the costs moved; no split over a
+rank's memory, onto a rank holding the table, of a table not allowed, of a
+width that cannot be halved, or one that does not pay for its bytes; the
+same inputs give the same splits; the split plan passes the engine's
+validation (its geometry) and ``propose`` predicts the split's step time.
+"""
+
+import unittest
+from typing import Dict, List, Sequence, Tuple
+
+from torchrec.distributed.resharding.elastic_plan import plan_layouts, validate_new_plan
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.placement import (
+    placement_from_tables,
+    placement_of,
+    plan_with_layouts,
+    TableInfo,
+)
+from torchrec.distributed.resharding.rebalance.splits import search_splits, split_width
+from torchrec.distributed.test_utils.rebalance_utils import EBC_PATH, hand_plan
+
+ROWS, DIM = 64, 16
+BYTES = 8  # per element
+
+
+def _table(name: str, kind: str, shards: Sequence[Tuple[int, int, int]]) -> TableInfo:
+    """A table of ROWS x DIM whose shards are (rank, col, cols)."""
+    layout = TableLayout(
+        ROWS,
+        DIM,
+        tuple(PlacedShard(r, Rect(0, c, ROWS, w)) for r, c, w in shards),
+    )
+    return TableInfo("m", name, kind, layout, BYTES)
+
+
+def _costs(placement, per_col: Dict[str, float]) -> List[float]:  # pyre-ignore
+    """Each unit's cost: its table's cost per column times its columns."""
+    return [per_col[placement.tables[u.table].name] * u.work for u in placement.units]
+
+
+class SplitWidthTest(unittest.TestCase):
+    def test_widths_are_multiples_of_four(self) -> None:
+        self.assertEqual(split_width(16), 8)
+        self.assertEqual(split_width(12), 8)
+        self.assertEqual(split_width(8), 4)
+        self.assertIsNone(split_width(4))
+        self.assertIsNone(split_width(10))
+
+
+class SearchSplitsTest(unittest.TestCase):
+    def _two_ranks(self, capacity: float = 1e12, price: float = 0.0):  # pyre-ignore
+        tables = [
+            _table("hot", "table_wise", [(0, 0, DIM)]),
+            _table("cold", "table_wise", [(1, 0, DIM)]),
+        ]
+        placement = placement_from_tables(tables, 2)
+        costs = _costs(placement, {"hot": 1.0, "cold": 0.125})  # 16 and 2
+        loads = [16.0, 2.0]
+        return (
+            placement,
+            costs,
+            search_splits(
+                placement,
+                loads,
+                costs,
+                [capacity, capacity],
+                {"m:hot", "m:cold"},
+                byte_price=price,
+            ),
+        )
+
+    def test_a_hot_table_wise_table_becomes_column_wise(self) -> None:
+        _, _, result = self._two_ranks()
+        # the hot table's half goes to rank 1, which is then the slowest:
+        # half of the cold table comes back
+        self.assertEqual(result.splits, 2)
+        self.assertEqual(
+            result.sharding_types, {"m:hot": "column_wise", "m:cold": "column_wise"}
+        )
+        shards = {
+            key: [(s.rank, s.rect.col, s.rect.cols) for s in layout.shards]
+            for key, layout in result.layouts.items()
+        }
+        self.assertEqual(
+            shards, {"m:hot": [(0, 0, 8), (1, 8, 8)], "m:cold": [(1, 0, 8), (0, 8, 8)]}
+        )
+        self.assertEqual(result.loads, (9.0, 9.0))
+        self.assertEqual((result.slowest_before, result.slowest_after), (16.0, 9.0))
+        nbytes = 2 * ROWS * 8 * BYTES
+        self.assertEqual(result.rank_bytes, (nbytes, nbytes))
+
+    def test_no_split_over_memory_or_when_the_bytes_cost_more(self) -> None:
+        # rank 1 holds the cold table: room for it only
+        _, _, result = self._two_ranks(capacity=ROWS * DIM * BYTES + 1)
+        self.assertEqual(result.splits, 0)
+        self.assertEqual(result.layouts, {})
+        _, _, result = self._two_ranks(price=1.0)  # 4096 s per step moved
+        self.assertEqual(result.splits, 0)
+
+    def test_column_wise_shards_halve_again_and_the_result_repeats(self) -> None:
+        tables = [_table("hot", "column_wise", [(0, 0, 8), (1, 8, 8)])]
+        tables += [_table(f"c{i}", "table_wise", [(2 + i, 0, DIM)]) for i in range(2)]
+        placement = placement_from_tables(tables, 4)
+        costs = _costs(placement, {"hot": 1.0, "c0": 0.0625, "c1": 0.0625})
+        loads = [8.0, 8.0, 1.0, 1.0]
+        args = (placement, loads, costs, [1e12] * 4, {"m:hot"})
+        result = search_splits(*args)
+        self.assertEqual(result.splits, 2)  # 2 shards -> 4
+        shards = result.layouts["m:hot"].shards
+        self.assertEqual(
+            [(s.rank, s.rect.col, s.rect.cols) for s in shards],
+            [(0, 0, 4), (2, 4, 4), (1, 8, 4), (3, 12, 4)],
+        )
+        self.assertEqual(result.loads, (4.0, 4.0, 5.0, 5.0))
+        self.assertEqual(search_splits(*args), result)
+
+    def test_tables_not_allowed_or_too_narrow_stay(self) -> None:
+        placement, costs, _ = self._two_ranks()
+        result = search_splits(placement, [16.0, 2.0], costs, [1e12] * 2, {"m:cold"})
+        self.assertEqual(result.splits, 0)
+        narrow = TableLayout(ROWS, 4, (PlacedShard(0, Rect(0, 0, ROWS, 4)),))
+        placement = placement_from_tables(
+            [TableInfo("m", "hot", "table_wise", narrow, BYTES)], 2
+        )
+        result = search_splits(placement, [4.0, 0.0], [4.0], [1e12] * 2, {"m:hot"})
+        self.assertEqual(result.splits, 0)
+
+
+class SplitPlanTest(unittest.TestCase):
+    def test_the_split_plan_is_valid_for_the_engine(self) -> None:
+        plan = hand_plan(
+            {"t0": ("table_wise", 0), "t1": ("table_wise", 1)}, 2, ROWS, DIM, 2
+        )
+        tables = {EBC_PATH: [("t0", ROWS, DIM), ("t1", ROWS, DIM)]}
+        element_bytes = {f"{EBC_PATH}:t0": BYTES, f"{EBC_PATH}:t1": BYTES}
+        placement = placement_of(plan, tables, element_bytes, 2)
+        costs = [16.0 if u.table == 0 else 2.0 for u in placement.units]
+        result = search_splits(
+            placement, [16.0, 2.0], costs, [1e12] * 2, {f"{EBC_PATH}:t0"}
+        )
+        new = plan_with_layouts(
+            plan, placement, result.layouts, lambda r: "cpu", result.sharding_types
+        )
+        validate_new_plan(new, tables, 2, "cpu")
+        t0 = new.plan[EBC_PATH]["t0"]  # pyre-ignore[16]
+        self.assertEqual((t0.sharding_type, t0.ranks), ("column_wise", [0, 1]))
+        self.assertEqual(
+            plan_layouts(new, tables, [0, 1])[f"{EBC_PATH}:t0"],
+            result.layouts[f"{EBC_PATH}:t0"],
+        )
+        # the untouched table keeps its sharding object
+        self.assertIs(new.plan[EBC_PATH]["t1"], plan.plan[EBC_PATH]["t1"])
