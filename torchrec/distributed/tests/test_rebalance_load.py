@@ -13,7 +13,8 @@ samples it counts per feature equal the sums of the batches' lengths; it
 times kernels, input dists and output dists; values a rank attaches to the
 window come back in its place; after a live reshard replaced the kernels its
 hooks follow the new ones; ``remove()`` leaves nothing behind. As on a GPU:
-timed with (stand-in) CUDA events, read after one synchronisation per window
+timed with pooled events (the host clock's, which CPU ``timing="events"``
+uses, read as CUDA events are), read after one synchronisation per window
 and none per step; counting a batch whose lengths live on the counters'
 device moves nothing between devices and reads nothing back to the host.
 """
@@ -26,12 +27,14 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torchrec.distributed.resharding.rebalance import monitor as monitor_module
 from torchrec.distributed.resharding.rebalance.load import (
     _EventTimer,
     _Timer,
     LoadMonitor,
     timer_type,
 )
+from torchrec.distributed.resharding.rebalance.monitor import _HostEventTimer, HostEvent
 from torchrec.distributed.resharding.rebalance.rebalancer import move_seconds
 from torchrec.distributed.resharding.runner import PhaseTimes, TransactionReport
 from torchrec.distributed.test_utils.multi_process_utils import (
@@ -60,24 +63,6 @@ def _train(
     loss, _ = model(batch)
     loss.backward()
     optimizer.step()
-
-
-class _HostClockEvent:
-    """Stands in for torch.cuda.Event on a host without CUDA."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        assert enable_timing
-        self.at: Optional[float] = None
-
-    def record(self, stream: Any = None) -> None:
-        self.at = time.perf_counter()
-
-    def query(self) -> bool:
-        return self.at is not None
-
-    def elapsed_time(self, end: "_HostClockEvent") -> float:
-        assert self.at is not None and end.at is not None
-        return (end.at - self.at) * 1000.0
 
 
 class _DeviceTraffic(TorchDispatchMode):
@@ -124,15 +109,30 @@ class GpuTimingTest(unittest.TestCase):
         self.assertIs(timer_type(torch.device("cuda", 0)), _EventTimer)
         self.assertIs(timer_type(torch.device("cpu")), _Timer)
         self.assertIs(timer_type(torch.device("cuda", 0), "host"), _Timer)
-        self.assertIs(timer_type(torch.device("cpu"), "events"), _EventTimer)
+        self.assertIs(timer_type(torch.device("cpu"), "events"), _HostEventTimer)
         with self.assertRaisesRegex(ValueError, "timing"):
             timer_type(torch.device("cpu"), "wall")
 
+    def test_a_host_event_reads_as_a_cuda_event(self) -> None:
+        start, end = HostEvent(), HostEvent()
+        self.assertFalse(start.query())
+        with self.assertRaisesRegex(RuntimeError, "recorded"):
+            start.elapsed_time(end)
+        start.record()
+        time.sleep(0.01)
+        end.record()
+        self.assertTrue(start.query() and end.query())
+        self.assertGreaterEqual(start.elapsed_time(end), 10.0)  # milliseconds
+
     def test_events_are_read_after_one_synchronisation_per_window(self) -> None:
+        # the package's own synchronisation, wrapped: every call goes through
         with (
             single_rank_process_group() as pg,
-            mock.patch("torch.cuda.Event", _HostClockEvent),
-            mock.patch("torch.cuda.synchronize") as synchronize,
+            mock.patch.object(
+                monitor_module,
+                "synchronize_device",
+                wraps=monitor_module.synchronize_device,
+            ) as synchronize,
         ):
             model, optimizer, batches = _model_and_batches(pg)
             monitor = LoadMonitor.for_model(model, timing="events")
@@ -148,31 +148,28 @@ class GpuTimingTest(unittest.TestCase):
             monitor.remove()
 
     def test_events_are_pooled_and_finished_pairs_read_as_they_come(self) -> None:
-        made: List[_HostClockEvent] = []
-
-        def event(enable_timing: bool = False) -> _HostClockEvent:
-            made.append(_HostClockEvent(enable_timing))
-            return made[-1]
-
-        with mock.patch("torch.cuda.Event", event):
-            timer = _EventTimer()
+        # the real events, counted as they are made
+        with mock.patch.object(
+            monitor_module, "HostEvent", wraps=monitor_module.HostEvent
+        ) as made:
+            timer = _HostEventTimer()
             for _ in range(3):
                 timer.start()
                 timer.stop()
             first = timer.seconds()
-            self.assertEqual(len(made), 6)
+            self.assertEqual(made.call_count, 6)
             for _ in range(3):
                 timer.start()
                 timer.stop()
             # the read events are recorded again, none made
-            self.assertEqual(len(made), 6)
+            self.assertEqual(made.call_count, 6)
             self.assertGreaterEqual(timer.seconds(), first)
             # a long window keeps at most MAX_PENDING unread pairs
             for _ in range(_EventTimer.MAX_PENDING + 10):
                 timer.start()
                 timer.stop()
             self.assertLessEqual(len(timer._pairs), _EventTimer.MAX_PENDING)
-            self.assertLessEqual(len(made), 2 * _EventTimer.MAX_PENDING + 4)
+            self.assertLessEqual(made.call_count, 2 * _EventTimer.MAX_PENDING + 4)
 
     def test_a_reshards_bandwidth_leaves_the_connect_out(self) -> None:
         report = TransactionReport(phases=PhaseTimes(exchange=3.0), connect_seconds=2.5)

@@ -60,6 +60,7 @@ from torchrec.distributed.resharding.rebalance.statistics import (
     RANK_FIELDS,
     statistics_from_vector,
 )
+from torchrec.distributed.resharding.wire import synchronize_device
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
@@ -133,8 +134,11 @@ class _EventTimer(_Timer):
         self._pairs: List[Tuple[Any, Any]] = []
         self._free: List[Any] = []
 
+    def _new_event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
     def _event(self) -> Any:
-        event = self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
+        event = self._free.pop() if self._free else self._new_event()
         event.record()
         return event
 
@@ -173,12 +177,53 @@ class _EventTimer(_Timer):
         self._pending = None
 
 
+class HostEvent:
+    """
+    An event of the host's clock, with the part of ``torch.cuda.Event``'s
+    interface the monitor uses: where kernels run on the host (CPU) they
+    finish before the call that launched them returns, so the clock at
+    :meth:`record` is when the work queued before it finished.
+    """
+
+    def __init__(self) -> None:
+        self._at: Optional[float] = None
+
+    def record(self) -> None:
+        """Marks now."""
+        self._at = time.perf_counter()
+
+    def query(self) -> bool:
+        """Whether the event was recorded (the work before it is done)."""
+        return self._at is not None
+
+    def elapsed_time(self, end: "HostEvent") -> float:
+        """
+        Args:
+            end (HostEvent): a later event.
+
+        Returns:
+            float: milliseconds from this event to ``end``, as CUDA's.
+        """
+        if self._at is None or end._at is None:
+            raise RuntimeError("both events must be recorded first")
+        return (end._at - self._at) * 1000.0
+
+
+class _HostEventTimer(_EventTimer):
+    """``timing="events"`` on a CPU device: the pooled events of the host's
+    clock (the same reads, pool and bound as CUDA events)."""
+
+    def _new_event(self) -> Any:
+        return HostEvent()
+
+
 def timer_type(device: torch.device, timing: Optional[str] = None) -> type:
     """
     Args:
         device (torch.device): where the timed kernels run.
-        timing (Optional[str]): "events" (CUDA events) or "host" (the host's
-            clock); default: events on CUDA, the host's clock elsewhere.
+        timing (Optional[str]): "events" (CUDA events on CUDA, pooled events
+            of the host's clock on CPU) or "host" (the host's clock); default:
+            events on CUDA, the host's clock elsewhere.
 
     Returns:
         type: the timer class.
@@ -187,7 +232,9 @@ def timer_type(device: torch.device, timing: Optional[str] = None) -> type:
         timing = "events" if device.type == "cuda" else "host"
     if timing not in ("events", "host"):
         raise ValueError(f"timing must be 'events' or 'host', got {timing!r}")
-    return _EventTimer if timing == "events" else _Timer
+    if timing == "host":
+        return _Timer
+    return _EventTimer if device.type == "cuda" else _HostEventTimer
 
 
 class _ModuleMonitor:
@@ -328,8 +375,9 @@ class LoadMonitor:
         device (torch.device): where the id counters live (the device of the
             process group's collectives).
         timing (Optional[str]): how parts are timed: "events" (CUDA events,
-            read once per window) or "host" (the host's clock); default:
-            events on CUDA, the host's clock elsewhere.
+            read once per window; on CPU pooled events of the host's clock)
+            or "host" (the host's clock); default: events on CUDA, the
+            host's clock elsewhere.
 
     Example::
 
@@ -432,9 +480,9 @@ class LoadMonitor:
         n = len(self.slots)
         timed = self._timed_steps
         mean_step = self._step_seconds / timed if timed > 0 else 0.0
-        if self._timer is _EventTimer:
+        if issubclass(self._timer, _EventTimer):
             # the window's one wait for the GPU: every timed event completed
-            torch.cuda.synchronize(self._ids.device)
+            synchronize_device(self._ids.device)
         values = {
             "steps": float(self._steps),
             "compute_seconds": self._timers["compute_seconds"].seconds(),
