@@ -127,6 +127,9 @@ CONTRACT: Dict[str, str] = {
     "PrefixStore's clone keeps its prefix): a thread's waits do not queue "
     "behind the training thread's",
     "torch.cuda.device_count": "() -> int; CPU build: 0",
+    "os._exit": "(status) -> never returns: ends the whole process from any "
+    "thread, without the interpreter's teardown (the replan process's watcher "
+    "thread, once its parent is gone; test_replan_process.py kills a parent)",
 }
 
 # Private methods of TorchRec's own classes the fork's patches add or that
