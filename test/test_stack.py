@@ -148,7 +148,7 @@ def test_tool_caches_are_not_overlay_files(repo_copy: Path) -> None:
 
 def test_overlay_file_listed_twice_or_missing_is_reported(repo_copy: Path) -> None:
     entries = forklib.load_stack(repo_copy)
-    rel = entries[-1].files[0]
+    rel = next(e for e in reversed(entries) if e.files).files[0]
     add_to_series(
         repo_copy,
         entries[0].name,
@@ -270,7 +270,8 @@ def test_stack_tree_round_trip_rewrites_the_overlay_diffs(
     assert {p.name: p.read_text() for p in written} == before
     assert stack.refresh_overlay_diffs(tree, repo_copy) == []
     # a history that ends elsewhere than the overlay is refused
-    rel = forklib.load_stack(repo_copy)[-1].files[0]
+    entries = forklib.load_stack(repo_copy)
+    rel = next(e for e in reversed(entries) if e.files).files[0]
     (repo_copy / rel).write_text((repo_copy / rel).read_text() + "# edited\n")
     with pytest.raises(forklib.ForkError, match=rel):
         stack.refresh_overlay_diffs(tree, repo_copy)
