@@ -402,7 +402,8 @@ class Rebalancer:
                 decision,
             )
         ids = table_ids(stats, view.placement)
-        elements = rank_elements(view.placement.units, ids, self._world_size)
+        lookup = self.policy.shard_lookup_columns()
+        elements = rank_elements(view.placement.units, ids, self._world_size, lookup)
         slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
         self._seconds_per_element = slope
         if stats.extra[0][1] > 0:  # group rank 0's full replan is ready
@@ -442,6 +443,7 @@ class Rebalancer:
             byte_price(self.policy, self._state),
             self.policy.move_budget_bytes,
             self._splittable(view) if self.policy.split_shards else None,
+            self.policy.shard_lookup_columns(),
         )
         candidate = search_candidate(
             proposal,
@@ -591,12 +593,16 @@ class Rebalancer:
             return self._replan_done(decision, f"ignored: {why}")
         plan = plan_with_delta(view.plan, delta)
         after = placement_of(plan, view.tables, view.element_bytes, self._world_size)
+        lookup = self.policy.shard_lookup_columns()
+        kernels = predicted_kernels(
+            stats.compute_seconds, view.placement, after, ids, slope, lookup
+        )
         prediction = predict_step(
             stats,
-            predicted_kernels(stats.compute_seconds, view.placement, after, ids, slope),
+            kernels,
             modelled_saving(
-                rank_elements(view.placement.units, ids, self._world_size),
-                rank_elements(after.units, ids, self._world_size),
+                rank_elements(view.placement.units, ids, self._world_size, lookup),
+                rank_elements(after.units, ids, self._world_size, lookup),
                 slope,
             ),
         )
