@@ -27,6 +27,12 @@ time a move leaves.
   slowed by a neighbour for a window): the saving is never taken above what
   the calibrated costs alone give (the slope times the cut of the busiest
   rank's elements), so noise on one rank does not pay for a move.
+* Every shard also pays a fixed cost per id it reads, whatever its width
+  (the id's offsets, its row's address, pooling, the fused update per row):
+  ``lookup_columns`` columns' worth (``policy.DEFAULT_LOOKUP_COLUMNS``,
+  calibrated by ``benchmarks/shard_cost_benchmark.py``). Moving a shard
+  moves it with the shard; a split pays it once more (each column-wise
+  shard reads every id of its table), a merge saves it.
 * ``propose`` runs the incremental search on one window's statistics, and
   then, for the tables it may split, the split search on the moves' result.
 """
@@ -126,13 +132,24 @@ def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
     return [ids.get(t.key, 0.0) for t in placement.tables]
 
 
+def unit_elements(unit: ShardUnit, lookup_columns: float = 0.0) -> float:
+    """Elements one id of the unit's table costs in it, its fixed cost included."""
+    return unit.work + lookup_columns * unit.share
+
+
 def rank_elements(
-    units: Sequence[ShardUnit], ids: Sequence[float], world_size: int
+    units: Sequence[ShardUnit],
+    ids: Sequence[float],
+    world_size: int,
+    lookup_columns: float = 0.0,
 ) -> List[float]:
-    """Per rank, elements its shards read per step."""
+    """
+    Per rank, elements its shards read per step, and ``lookup_columns`` per
+    id each shard reads (its fixed cost, in elements).
+    """
     elements = [0.0] * world_size
     for unit in units:
-        elements[unit.rank] += ids[unit.table] * unit.work
+        elements[unit.rank] += ids[unit.table] * unit_elements(unit, lookup_columns)
     return elements
 
 
@@ -174,10 +191,16 @@ def calibrate(
 
 
 def unit_costs(
-    units: Sequence[ShardUnit], ids: Sequence[float], seconds_per_element: float
+    units: Sequence[ShardUnit],
+    ids: Sequence[float],
+    seconds_per_element: float,
+    lookup_columns: float = 0.0,
 ) -> List[float]:
-    """Per unit, its kernel seconds per step."""
-    return [ids[u.table] * u.work * seconds_per_element for u in units]
+    """Per unit, its kernel seconds per step (its fixed cost included)."""
+    return [
+        ids[u.table] * unit_elements(u, lookup_columns) * seconds_per_element
+        for u in units
+    ]
 
 
 def predicted_kernels(
@@ -186,6 +209,7 @@ def predicted_kernels(
     after: Placement,
     ids: Sequence[float],
     seconds_per_element: float,
+    lookup_columns: float = 0.0,
 ) -> Tuple[float, ...]:
     """
     Per rank, kernel seconds after a change of placement: the measured
@@ -193,8 +217,8 @@ def predicted_kernels(
     shards it holds after (never below zero).
     """
     world_size = before.world_size
-    old = rank_elements(before.units, ids, world_size)
-    new = rank_elements(after.units, ids, world_size)
+    old = rank_elements(before.units, ids, world_size, lookup_columns)
+    new = rank_elements(after.units, ids, world_size, lookup_columns)
     return tuple(
         max(m + (n - o) * seconds_per_element, 0.0)
         for m, o, n in zip(measured, old, new)
@@ -230,6 +254,7 @@ def propose(
     byte_price: float = 0.0,
     move_budget: Optional[int] = None,
     splittable: Optional[AbstractSet[str]] = None,
+    lookup_columns: float = 0.0,
 ) -> Proposal:
     """
     The incremental search on one window's statistics (moves and swaps, then
@@ -245,12 +270,13 @@ def propose(
             receive.
         splittable (Optional[AbstractSet[str]]): keys of the tables whose
             shards may be split (None or empty: no splits).
+        lookup_columns (float): a shard's fixed cost per id, in columns.
 
     Returns:
         Proposal: the new layouts and the predicted step time.
     """
     ids = table_ids(stats, placement)
-    costs = unit_costs(placement.units, ids, seconds_per_element)
+    costs = unit_costs(placement.units, ids, seconds_per_element, lookup_columns)
     result = search_moves(
         stats.compute_seconds,
         placement.units,
@@ -268,7 +294,7 @@ def propose(
         where[index] = rank
     after = [0.0] * placement.world_size
     for unit, rank in zip(placement.units, where):
-        after[rank] += ids[unit.table] * unit.work
+        after[rank] += ids[unit.table] * unit_elements(unit, lookup_columns)
     if splittable:
         split = search_splits(
             placement,
@@ -280,18 +306,21 @@ def propose(
             move_budget=move_budget,
             traffic=result.rank_bytes,
             where=where,
+            fixed=[n * lookup_columns * seconds_per_element for n in ids],
         )
         index = {t.key: i for i, t in enumerate(placement.tables)}
         split_tables = {index[key] for key in split.layouts}
         for i, unit in enumerate(placement.units):  # split: before, less
             if unit.table in split_tables:
-                after[where[i]] -= ids[unit.table] * unit.work
+                after[where[i]] -= ids[unit.table] * unit_elements(unit, lookup_columns)
         for key, layout in split.layouts.items():  # and after (every row)
             for shard in layout.shards:
-                after[shard.rank] += ids[index[key]] * shard.rect.cols
+                after[shard.rank] += ids[index[key]] * (
+                    shard.rect.cols + lookup_columns
+                )
         layouts.update(split.layouts)
         types, loads = dict(split.sharding_types), split.loads
-    before = rank_elements(placement.units, ids, placement.world_size)
+    before = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
     saving = modelled_saving(before, after, seconds_per_element)
     return Proposal(
         layouts=layouts,

@@ -85,6 +85,8 @@ class ShardUnit:
             rank's share of the ids).
         nbytes (int): bytes the rank holds for it.
         movable (bool): whether a move may put it on another rank.
+        share (float): the share of the table's ids it reads (its rows'
+            share; every id of the table for a column-wise shard).
     """
 
     table: int
@@ -93,6 +95,7 @@ class ShardUnit:
     work: float
     nbytes: int
     movable: bool
+    share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,7 @@ def placement_from_tables(tables: Sequence[TableInfo], world_size: int) -> Place
                     share * rect.cols,
                     rect.numel * table.element_bytes,
                     movable,
+                    share,
                 )
             )
     return Placement(ordered, world_size, tuple(units))

@@ -35,6 +35,30 @@ DEFAULT_BANDWIDTHS: Dict[str, float] = {
 DEFAULT_BANDWIDTH: float = DEFAULT_BANDWIDTHS["cpu"]
 
 
+# A shard's fixed cost per id it reads, whatever its width, in columns of
+# that shard (see costs.py): fitted by benchmarks/shard_cost_benchmark.py on
+# fbgemm's CPU kernel (fused exact SGD, one thread; widths 8-256: 8.9 ms +
+# 63.5 us per column for 512k ids, 140 columns; later runs on the shared
+# host fitted up to 190, and 140 predicts a halved shard within 16% at every
+# width there). Not calibrated on CUDA yet: there the model keeps pricing
+# elements only.
+DEFAULT_LOOKUP_COLUMNS: Dict[str, float] = {
+    "cpu": 140.0,
+    "cuda": 0.0,
+}
+
+
+def default_lookup_columns(device_type: str) -> float:
+    """
+    Args:
+        device_type (str): the model's device type.
+
+    Returns:
+        float: a shard's fixed cost per id it reads, in columns.
+    """
+    return DEFAULT_LOOKUP_COLUMNS.get(device_type, 0.0)
+
+
 def default_bandwidth(device_type: str) -> float:
     """
     Args:
@@ -79,6 +103,10 @@ class RebalancePolicy:
             (``splits.search_splits``), for a table hotter than moving whole
             shards can fix; only tables whose user constraints allow
             column-wise sharding (or give no sharding types).
+        lookup_columns (Optional[float]): a shard's fixed cost per id it
+            reads, in columns (a split pays it once more); None: the figure
+            of the model's device type (``DEFAULT_LOOKUP_COLUMNS``, see
+            :meth:`on_device`).
     """
 
     window: int = 50
@@ -91,6 +119,7 @@ class RebalancePolicy:
     backoff: int = 2
     full_replan: bool = True
     split_shards: bool = False
+    lookup_columns: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -116,6 +145,8 @@ class RebalancePolicy:
             problems.append(
                 f"default_bandwidth must be positive, got {self.default_bandwidth!r}"
             )
+        if self.lookup_columns is not None and not self.lookup_columns >= 0:
+            problems.append(f"lookup_columns must be >= 0, got {self.lookup_columns!r}")
         if not isinstance(self.backoff, int) or self.backoff < 1:
             problems.append(f"backoff must be an integer >= 1, got {self.backoff!r}")
         if problems:
@@ -127,12 +158,19 @@ class RebalancePolicy:
             device_type (str): the model's device type.
 
         Returns:
-            RebalancePolicy: this policy, its default bandwidth that of the
-            device type unless it names one.
+            RebalancePolicy: this policy, its default bandwidth and its
+            lookup columns those of the device type unless it names them.
         """
-        if self.default_bandwidth is not None:
-            return self
-        return replace(self, default_bandwidth=default_bandwidth(device_type))
+        policy = self
+        if policy.default_bandwidth is None:
+            policy = replace(policy, default_bandwidth=default_bandwidth(device_type))
+        if policy.lookup_columns is None:
+            policy = replace(policy, lookup_columns=default_lookup_columns(device_type))
+        return policy
+
+    def shard_lookup_columns(self) -> float:
+        """A shard's fixed cost per id, in columns (0 if unresolved)."""
+        return self.lookup_columns or 0.0
 
     def assumed_bandwidth(self) -> float:
         """Bytes/s before a reshard was measured (the host's if unresolved)."""

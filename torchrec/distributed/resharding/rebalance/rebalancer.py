@@ -36,7 +36,7 @@ nothing else in the model changes. ``history`` keeps every decision and
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch.distributed as dist
@@ -60,6 +60,14 @@ from torchrec.distributed.resharding.plan import (
     sharding_plan_text,
     text_digest,
 )
+from torchrec.distributed.resharding.rebalance.candidates import (
+    Candidate,
+    changed_tables,
+    FULL_REPLAN,
+    over_memory,
+    screen_candidate,
+    search_candidate,
+)
 from torchrec.distributed.resharding.rebalance.costs import (
     calibrate,
     modelled_saving,
@@ -69,6 +77,10 @@ from torchrec.distributed.resharding.rebalance.costs import (
     rank_elements,
     StepPrediction,
     table_ids,
+)
+from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
+    RebalanceDecision,
+    ReshardOutcome,
 )
 from torchrec.distributed.resharding.rebalance.monitor import LoadMonitor
 from torchrec.distributed.resharding.rebalance.options import (
@@ -81,7 +93,6 @@ from torchrec.distributed.resharding.rebalance.placement import (
     module_plan,
     Placement,
     placement_of,
-    plan_with_layouts,
 )
 from torchrec.distributed.resharding.rebalance.policy import (
     after_failure,
@@ -94,7 +105,6 @@ from torchrec.distributed.resharding.rebalance.policy import (
     may_replan,
     PolicyState,
     RebalancePolicy,
-    screen,
     with_bandwidth,
 )
 from torchrec.distributed.resharding.rebalance.replan import (
@@ -121,112 +131,6 @@ from torchrec.modules.embedding_configs import data_type_to_dtype
 logger: logging.Logger = logging.getLogger(__name__)
 
 Delta = Dict[str, Dict[str, ParameterSharding]]
-
-
-@dataclass(frozen=True)
-class RebalanceDecision:
-    """
-    One window's decision, identical on every rank (but ``search_seconds``).
-
-    Args:
-        step (int): the step count at the end of the window.
-        action (str): ``"reshard"``, ``"keep"`` or ``"failed"``.
-        reason (str): why.
-        source (str): where the candidate came from: ``"search"`` (the
-            incremental search), ``"full replan"`` or ``""`` (none).
-        imbalance (float): measured: the slowest rank's embedding seconds
-            over the mean.
-        kernel_seconds (Tuple[float, ...]): measured kernel seconds per rank
-            and step.
-        step_seconds (float): measured step time of the window.
-        predicted_kernel_seconds (Tuple[float, ...]): per rank, predicted
-            under the candidate.
-        predicted_step_seconds (Optional[float]): predicted step time under
-            the candidate.
-        predicted_gain (float): predicted relative cut of the step time.
-        saving_per_step (float): predicted seconds saved per step.
-        tables (Tuple[str, ...]): tables the candidate changes.
-        max_rank_bytes (Optional[int]): the dry run's busiest rank's bytes
-            (sent + received).
-        bytes_moved (Optional[int]): the dry run's bytes sent, all ranks.
-        move_seconds (Optional[float]): the move's predicted seconds.
-        search_seconds (float): this rank's seconds to reach the candidate.
-        plan (Optional[ShardingPlan]): the plan resharded to.
-        reshard_seconds (Optional[float]): the reshard's seconds (this rank).
-    """
-
-    step: int
-    action: str
-    reason: str
-    source: str = ""
-    imbalance: float = 1.0
-    kernel_seconds: Tuple[float, ...] = ()
-    step_seconds: float = 0.0
-    predicted_kernel_seconds: Tuple[float, ...] = ()
-    predicted_step_seconds: Optional[float] = None
-    predicted_gain: float = 0.0
-    saving_per_step: float = 0.0
-    tables: Tuple[str, ...] = ()
-    max_rank_bytes: Optional[int] = None
-    bytes_moved: Optional[int] = None
-    move_seconds: Optional[float] = None
-    search_seconds: float = field(default=0.0, compare=False)
-    plan: Optional[ShardingPlan] = field(default=None, compare=False, repr=False)
-    reshard_seconds: Optional[float] = field(default=None, compare=False)
-
-    def line(self) -> str:
-        """The decision as one log line."""
-        parts = [f"step {self.step}: {self.action.upper()} ({self.reason})"]
-        if self.kernel_seconds:
-            parts += [
-                f"measured imbalance {self.imbalance:.2f}",
-                "kernel ms/step per rank "
-                + "/".join(f"{1e3 * s:.1f}" for s in self.kernel_seconds),
-                f"step {self.step_seconds * 1e3:.1f} ms",
-            ]
-        if self.predicted_step_seconds is not None:
-            parts.append(
-                f"{self.source}: predicted step {self.predicted_step_seconds * 1e3:.1f}"
-                f" ms (gain {self.predicted_gain:.1%}), slowest rank "
-                f"{1e3 * max(self.predicted_kernel_seconds, default=0.0):.1f} ms, "
-                f"decided in {self.search_seconds * 1e3:.1f} ms"
-            )
-        if self.max_rank_bytes is not None:
-            parts.append(
-                f"moves {self.bytes_moved} B (busiest rank {self.max_rank_bytes} B)"
-            )
-        if self.move_seconds is not None:
-            parts.append(f"move ~{self.move_seconds:.3f} s")
-        if self.tables:
-            shown = ", ".join(self.tables[:8])
-            more = len(self.tables) - 8
-            parts.append(f"tables {shown}" + (f" (+{more})" if more > 0 else ""))
-        return "; ".join(parts)
-
-
-@dataclass(frozen=True)
-class ReshardOutcome:
-    """
-    A reshard's prediction against the step time measured after it.
-
-    Args:
-        step (int): the reshard's step.
-        step_seconds_before (float): measured in the window before it.
-        predicted_step_seconds (float): predicted for after it.
-        measured_step_seconds (float): measured in the first window after it.
-    """
-
-    step: int
-    step_seconds_before: float
-    predicted_step_seconds: float
-    measured_step_seconds: float
-
-    @property
-    def error(self) -> float:
-        """Predicted over measured, minus one."""
-        if self.measured_step_seconds <= 0:
-            return 0.0
-        return self.predicted_step_seconds / self.measured_step_seconds - 1.0
 
 
 @dataclass(frozen=True)
@@ -498,7 +402,8 @@ class Rebalancer:
                 decision,
             )
         ids = table_ids(stats, view.placement)
-        elements = rank_elements(view.placement.units, ids, self._world_size)
+        lookup = self.policy.shard_lookup_columns()
+        elements = rank_elements(view.placement.units, ids, self._world_size, lookup)
         slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
         self._seconds_per_element = slope
         if stats.extra[0][1] > 0:  # group rank 0's full replan is ready
@@ -538,41 +443,50 @@ class Rebalancer:
             byte_price(self.policy, self._state),
             self.policy.move_budget_bytes,
             self._splittable(view) if self.policy.split_shards else None,
+            self.policy.shard_lookup_columns(),
         )
-        prediction = proposal.prediction
-        decision = self._with_prediction(decision, prediction, "search")
-        decision = replace(
-            decision,
-            tables=tuple(sorted(proposal.layouts)),
-            search_seconds=time.perf_counter() - start,
-        )
-        search = proposal.search
-        assert search is not None
-        if not proposal.layouts or prediction.gain < self.policy.min_gain:
-            self._state = replace(self._state, streak=0)
-            bound = StepPrediction(
-                prediction.measured_step,
-                prediction.measured_kernels,
-                (search.mean_load,),
-            ).gain
-            reason = (
-                "no move of whole shards cuts the slowest rank"
-                if not proposal.layouts
-                else f"predicted gain {prediction.gain:.1%} below min_gain "
-                f"{self.policy.min_gain:.1%}"
-            )
-            return replace(decision, reason=reason + self._maybe_replan(stats, bound))
-        reason, self._state = screen(self.policy, self._state, prediction.gain)
-        if reason is not None:
-            return replace(decision, reason=reason)
-        candidate = plan_with_layouts(
+        candidate = search_candidate(
+            proposal,
             view.plan,
             view.placement,
-            proposal.layouts,
             self._device_of,
-            proposal.sharding_types,
+            time.perf_counter() - start,
         )
-        return self._try_reshard(candidate, prediction, decision)
+        return self._judge(candidate, stats, decision)
+
+    def _judge(
+        self,
+        candidate: Candidate,
+        stats: LoadStatistics,
+        decision: RebalanceDecision,
+    ) -> RebalanceDecision:
+        """
+        Every candidate's one path, whatever its source: the policy's screen,
+        the dry run, the move's price, the reshard.
+        """
+        decision = replace(
+            self._with_prediction(
+                decision, candidate.prediction, candidate.decision_source
+            ),
+            tables=candidate.tables,
+            search_seconds=candidate.seconds,
+        )
+        screening = screen_candidate(self.policy, self._state, candidate)
+        self._state = screening.state
+        plan = candidate.plan
+        if screening.reason is not None or plan is None:
+            reason = screening.reason or "no plan"
+            if not candidate.per_window:
+                return self._replan_done(decision, reason)
+            if screening.below_bar and candidate.gain_bound is not None:
+                reason += self._maybe_replan(stats, candidate.gain_bound)
+            return replace(decision, reason=reason)
+        outcome = self._try_reshard(plan, candidate.prediction, decision)
+        if not candidate.per_window:
+            self._state = after_replan(
+                self.policy, self._state, self._step, outcome.action == "reshard"
+            )
+        return outcome
 
     def _splittable(self, view: _ModelView) -> Set[str]:
         """Keys of the tables the user's constraints let become column-wise."""
@@ -677,45 +591,32 @@ class Rebalancer:
         if blocked is not None or slope is None:
             why = blocked or "no kernel time measured"
             return self._replan_done(decision, f"ignored: {why}")
-        candidate = plan_with_delta(view.plan, delta)
-        after = placement_of(
-            candidate, view.tables, view.element_bytes, self._world_size
+        plan = plan_with_delta(view.plan, delta)
+        after = placement_of(plan, view.tables, view.element_bytes, self._world_size)
+        lookup = self.policy.shard_lookup_columns()
+        kernels = predicted_kernels(
+            stats.compute_seconds, view.placement, after, ids, slope, lookup
         )
         prediction = predict_step(
             stats,
-            predicted_kernels(stats.compute_seconds, view.placement, after, ids, slope),
+            kernels,
             modelled_saving(
-                rank_elements(view.placement.units, ids, self._world_size),
-                rank_elements(after.units, ids, self._world_size),
+                rank_elements(view.placement.units, ids, self._world_size, lookup),
+                rank_elements(after.units, ids, self._world_size, lookup),
                 slope,
             ),
         )
-        decision = replace(
-            self._with_prediction(decision, prediction, "full replan"),
-            tables=tuple(sorted(table_key(p, t) for p in delta for t in delta[p])),
-            search_seconds=time.perf_counter() - start,
+        candidate = Candidate(
+            source=FULL_REPLAN,
+            plan=plan,
+            prediction=prediction,
+            tables=changed_tables(delta),
+            over_memory=over_memory(
+                view.placement.rank_bytes(), after.rank_bytes(), self._capacity
+            ),
+            seconds=time.perf_counter() - start,
         )
-        before, held = view.placement.rank_bytes(), after.rank_bytes()
-        over = [
-            r
-            for r in range(self._world_size)
-            if held[r] > before[r] and held[r] > self._capacity[r]
-        ]
-        if over:
-            return self._replan_done(
-                decision, f"its plan no longer fits the memory of ranks {over[:8]}"
-            )
-        if not delta or prediction.gain < self.policy.min_gain:
-            return self._replan_done(
-                decision,
-                f"predicted gain {prediction.gain:.1%} below min_gain "
-                f"{self.policy.min_gain:.1%}",
-            )
-        outcome = self._try_reshard(candidate, prediction, decision)
-        self._state = after_replan(
-            self.policy, self._state, self._step, outcome.action == "reshard"
-        )
-        return outcome
+        return self._judge(candidate, stats, decision)
 
     def _replan_done(self, decision: RebalanceDecision, why: str) -> RebalanceDecision:
         self._state = after_replan(self.policy, self._state, self._step, False)

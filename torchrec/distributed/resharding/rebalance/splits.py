@@ -26,7 +26,9 @@ columns, each ``ALIGN`` columns wide or a multiple of it (fbgemm's kernels
 need widths that are multiples of 4). Row-wise, grid and data-parallel
 tables, and tables whose user constraints name no column-wise sharding, are
 never split. The cost of a shard is its table's cost per column times its
-width (an id reads every column of a column-wise table once).
+width (an id reads every column of a column-wise table once) plus the
+table's fixed cost per shard (``fixed``: every shard reads every id of the
+table, whatever its width), which the receiver of a piece pays anew.
 """
 
 import heapq
@@ -110,6 +112,7 @@ class _Splits:
         splittable: AbstractSet[str],
         align: int,
         where: Sequence[int],
+        fixed: Sequence[float],
     ) -> None:
         world_size = placement.world_size
         self.placement = placement
@@ -124,6 +127,7 @@ class _Splits:
         # bytes per column, the ranks holding a shard
         self.shards: Dict[int, List[List[int]]] = {}
         self.per_col: Dict[int, float] = {}
+        self.fixed: Dict[int, float] = {}
         self.bytes_per_col: Dict[int, float] = {}
         self.holders: Dict[int, Set[int]] = {}
         self.on: List[Set[int]] = [set() for _ in range(world_size)]
@@ -146,14 +150,15 @@ class _Splits:
                 for k, s in enumerate(layout.shards)
             ]
             self.per_col[t] = 0.0
+            self.fixed[t] = fixed[t]
             self.bytes_per_col[t] = layout.rows * table.element_bytes
             for rank, _, _ in self.shards[t]:
                 self.on[rank].add(t)
         for unit, cost in zip(placement.units, costs):
             if unit.table in self.per_col:
                 self.per_col[unit.table] += (
-                    cost / placement.tables[unit.table].layout.cols
-                )
+                    cost - self.fixed[unit.table]
+                ) / placement.tables[unit.table].layout.cols
         self.high: List[Tuple[float, int]] = [(-v, r) for r, v in enumerate(self.load)]
         heapq.heapify(self.high)
         self.low: List[Tuple[float, int]] = [(v, r) for r, v in enumerate(self.load)]
@@ -196,7 +201,7 @@ class _Splits:
         align = self.align
         best: Optional[Tuple[float, int, int, int, int]] = None
         for t in sorted(self.on[s]):
-            per_col = self.per_col[t]
+            per_col, fixed = self.per_col[t], self.fixed[t]
             if per_col <= 0:
                 continue
             for k, (rank, _, cols) in enumerate(self.shards[t]):
@@ -207,9 +212,10 @@ class _Splits:
                 for d in receivers:
                     if d in self.holders[t]:
                         continue
-                    right = cut_width(cols, (top - self.load[d]) / per_col, align)
+                    gap = (top - self.load[d] - fixed) / per_col
+                    right = cut_width(cols, gap, align)
                     moved = per_col * right
-                    after = self.load[d] + moved
+                    after = self.load[d] + moved + fixed
                     nbytes = int(self.bytes_per_col[t] * right)
                     if after >= ceiling or top - moved >= ceiling:
                         continue
@@ -242,7 +248,7 @@ class _Splits:
         self.traffic[s] += nbytes
         self.traffic[d] += nbytes
         self.set_load(s, self.load[s] - moved)
-        self.set_load(d, self.load[d] + moved)
+        self.set_load(d, self.load[d] + moved + self.fixed[t])
         self.split_tables.add(t)
 
     def run(self, floor: float, min_cut: float, max_splits: int) -> int:
@@ -290,6 +296,7 @@ def search_splits(
     min_cut: float = 0.005,
     max_splits: Optional[int] = None,
     align: int = ALIGN,
+    fixed: Optional[Sequence[float]] = None,
 ) -> SplitResult:
     """
     Halves hot shards (by columns) onto the least loaded ranks while that
@@ -313,6 +320,8 @@ def search_splits(
             must make.
         max_splits (Optional[int]): the most splits (default: one per rank).
         align (int): split widths are multiples of it.
+        fixed (Optional[Sequence[float]]): per table of ``placement``, the
+            load each of its shards adds whatever its width (default: none).
 
     Returns:
         SplitResult: the split tables' layouts and the loads after.
@@ -336,6 +345,7 @@ def search_splits(
         splittable,
         align,
         where if where is not None else [u.rank for u in placement.units],
+        fixed if fixed is not None else [0.0] * len(placement.tables),
     )
     splits = 0
     if loads and before > 0:

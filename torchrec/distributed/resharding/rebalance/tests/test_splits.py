@@ -29,6 +29,10 @@ from torchrec.distributed.resharding.rebalance.placement import (
     plan_with_layouts,
     TableInfo,
 )
+from torchrec.distributed.resharding.rebalance.policy import (
+    DEFAULT_LOOKUP_COLUMNS,
+    RebalancePolicy,
+)
 from torchrec.distributed.resharding.rebalance.splits import search_splits, split_width
 from torchrec.distributed.test_utils.rebalance_utils import EBC_PATH, hand_plan
 
@@ -137,6 +141,51 @@ class SearchSplitsTest(unittest.TestCase):
         )
         result = search_splits(placement, [4.0, 0.0], [4.0], [1e12] * 2, {"m:hot"})
         self.assertEqual(result.splits, 0)
+
+
+class FixedCostTest(unittest.TestCase):
+    """Each shard's fixed cost (per id, whatever its width): a split pays it anew."""
+
+    def _hot_and_cold(self, hot_cost: float, cold_cost: float):  # pyre-ignore
+        tables = [
+            _table("cold", "table_wise", [(1, 0, DIM)]),
+            _table("hot", "table_wise", [(0, 0, DIM)]),
+        ]
+        placement = placement_from_tables(tables, 2)
+        costs = [cold_cost if u.table == 0 else hot_cost for u in placement.units]
+        return placement, costs
+
+    def test_the_receiver_of_a_piece_pays_the_fixed_cost(self) -> None:
+        # hot: 1 per column plus 4 fixed; the piece that evens the ranks
+        placement, costs = self._hot_and_cold(DIM + 4.0, 0.0)
+        result = search_splits(
+            placement, [20.0, 0.0], costs, [1e12] * 2, {"m:hot"}, fixed=[0.0, 4.0]
+        )
+        shards = result.layouts["m:hot"].shards
+        self.assertEqual(
+            [(s.rank, s.rect.col, s.rect.cols) for s in shards],
+            [(0, 0, 8), (1, 8, 8)],
+        )
+        self.assertEqual(result.loads, (12.0, 12.0))  # 20 - 8, 0 + 8 + 4
+
+    def test_no_split_when_the_fixed_cost_eats_the_gain(self) -> None:
+        placement, costs = self._hot_and_cold(32.0, 20.0)
+        args = (placement, [32.0, 20.0], costs, [1e12] * 2, {"m:hot"})
+        # by elements only: 2 per column, 4 columns to rank 1 (24 and 28)
+        self.assertEqual(search_splits(*args).loads, (24.0, 28.0))
+        # 16 of the 32 fixed: any piece leaves rank 1 over 32
+        result = search_splits(*args, fixed=[0.0, 16.0])
+        self.assertEqual((result.splits, result.layouts), (0, {}))
+        self.assertEqual(result.loads, (32.0, 20.0))
+
+    def test_the_policy_takes_the_devices_fixed_cost(self) -> None:
+        cpu = RebalancePolicy().on_device("cpu")
+        self.assertEqual(cpu.lookup_columns, DEFAULT_LOOKUP_COLUMNS["cpu"])
+        self.assertGreater(cpu.shard_lookup_columns(), 0.0)
+        mine = RebalancePolicy(lookup_columns=0.0).on_device("cpu")
+        self.assertEqual(mine.shard_lookup_columns(), 0.0)
+        with self.assertRaises(ValueError):
+            RebalancePolicy(lookup_columns=-1.0)
 
 
 class SplitPlanTest(unittest.TestCase):

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+What the Rebalancer decides each window (``RebalanceDecision``, identical
+on every rank) and how a reshard's prediction met the step time measured
+after it (``ReshardOutcome``).
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from torchrec.distributed.types import ShardingPlan
+
+
+@dataclass(frozen=True)
+class RebalanceDecision:
+    """
+    One window's decision, identical on every rank (but ``search_seconds``).
+
+    Args:
+        step (int): the step count at the end of the window.
+        action (str): ``"reshard"``, ``"keep"`` or ``"failed"``.
+        reason (str): why.
+        source (str): where the candidate came from: ``"search"`` (the
+            incremental search), ``"full replan"`` or ``""`` (none).
+        imbalance (float): measured: the slowest rank's embedding seconds
+            over the mean.
+        kernel_seconds (Tuple[float, ...]): measured kernel seconds per rank
+            and step.
+        step_seconds (float): measured step time of the window.
+        predicted_kernel_seconds (Tuple[float, ...]): per rank, predicted
+            under the candidate.
+        predicted_step_seconds (Optional[float]): predicted step time under
+            the candidate.
+        predicted_gain (float): predicted relative cut of the step time.
+        saving_per_step (float): predicted seconds saved per step.
+        tables (Tuple[str, ...]): tables the candidate changes.
+        max_rank_bytes (Optional[int]): the dry run's busiest rank's bytes
+            (sent + received).
+        bytes_moved (Optional[int]): the dry run's bytes sent, all ranks.
+        move_seconds (Optional[float]): the move's predicted seconds.
+        search_seconds (float): this rank's seconds to reach the candidate.
+        plan (Optional[ShardingPlan]): the plan resharded to.
+        reshard_seconds (Optional[float]): the reshard's seconds (this rank).
+    """
+
+    step: int
+    action: str
+    reason: str
+    source: str = ""
+    imbalance: float = 1.0
+    kernel_seconds: Tuple[float, ...] = ()
+    step_seconds: float = 0.0
+    predicted_kernel_seconds: Tuple[float, ...] = ()
+    predicted_step_seconds: Optional[float] = None
+    predicted_gain: float = 0.0
+    saving_per_step: float = 0.0
+    tables: Tuple[str, ...] = ()
+    max_rank_bytes: Optional[int] = None
+    bytes_moved: Optional[int] = None
+    move_seconds: Optional[float] = None
+    search_seconds: float = field(default=0.0, compare=False)
+    plan: Optional[ShardingPlan] = field(default=None, compare=False, repr=False)
+    reshard_seconds: Optional[float] = field(default=None, compare=False)
+
+    def line(self) -> str:
+        """The decision as one log line."""
+        parts = [f"step {self.step}: {self.action.upper()} ({self.reason})"]
+        if self.kernel_seconds:
+            parts += [
+                f"measured imbalance {self.imbalance:.2f}",
+                "kernel ms/step per rank "
+                + "/".join(f"{1e3 * s:.1f}" for s in self.kernel_seconds),
+                f"step {self.step_seconds * 1e3:.1f} ms",
+            ]
+        if self.predicted_step_seconds is not None:
+            parts.append(
+                f"{self.source}: predicted step {self.predicted_step_seconds * 1e3:.1f}"
+                f" ms (gain {self.predicted_gain:.1%}), slowest rank "
+                f"{1e3 * max(self.predicted_kernel_seconds, default=0.0):.1f} ms, "
+                f"decided in {self.search_seconds * 1e3:.1f} ms"
+            )
+        if self.max_rank_bytes is not None:
+            parts.append(
+                f"moves {self.bytes_moved} B (busiest rank {self.max_rank_bytes} B)"
+            )
+        if self.move_seconds is not None:
+            parts.append(f"move ~{self.move_seconds:.3f} s")
+        if self.tables:
+            shown = ", ".join(self.tables[:8])
+            more = len(self.tables) - 8
+            parts.append(f"tables {shown}" + (f" (+{more})" if more > 0 else ""))
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ReshardOutcome:
+    """
+    A reshard's prediction against the step time measured after it.
+
+    Args:
+        step (int): the reshard's step.
+        step_seconds_before (float): measured in the window before it.
+        predicted_step_seconds (float): predicted for after it.
+        measured_step_seconds (float): measured in the first window after it.
+    """
+
+    step: int
+    step_seconds_before: float
+    predicted_step_seconds: float
+    measured_step_seconds: float
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured, minus one."""
+        if self.measured_step_seconds <= 0:
+            return 0.0
+        return self.predicted_step_seconds / self.measured_step_seconds - 1.0
