@@ -91,11 +91,8 @@ from torchrec.distributed.resharding.model_view import (
 )
 from torchrec.distributed.resharding.optimizer_state import apply_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
-from torchrec.distributed.resharding.plan import (
-    ReshardError,
-    sharding_plan_text,
-    TableLayout,
-)
+from torchrec.distributed.resharding.plan import ReshardError, TableLayout
+from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import (
     described,
     Participant,

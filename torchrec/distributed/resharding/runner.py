@@ -92,8 +92,8 @@ from torchrec.distributed.resharding.plan import (
     ReshardAbortedError,
     ReshardError,
     TableLayout,
-    text_digest,
 )
+from torchrec.distributed.resharding.plan_validation import text_digest
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
 from torchrec.distributed.resharding.wire import (
     AbortedByPeer,

@@ -79,11 +79,13 @@ from torchrec.distributed.resharding.optimizer_state import (
 )
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.plan import (
-    delta_digest,
     layout_from_parameter_sharding,
-    MOVABLE_COMPUTE_KERNELS,
     ReshardError,
     TableLayout,
+)
+from torchrec.distributed.resharding.plan_validation import (
+    delta_digest,
+    MOVABLE_COMPUTE_KERNELS,
 )
 from torchrec.distributed.resharding.runner import (
     described,

@@ -60,7 +60,8 @@ from torchrec.distributed.resharding.model_view import (
     sharded_slots,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import Rect, ReshardError, sharding_plan_text
+from torchrec.distributed.resharding.plan import Rect, ReshardError
+from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import (
     described,
     Participant,

@@ -54,9 +54,8 @@ from torchrec.distributed.resharding.model_view import (
     sharded_tables,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import (
-    ReshardAbortedError,
-    ReshardError,
+from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
+from torchrec.distributed.resharding.plan_validation import (
     sharding_plan_text,
     text_digest,
 )
