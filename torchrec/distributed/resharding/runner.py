@@ -86,7 +86,6 @@ from torchrec.distributed.resharding.exchange import ExchangeStats, execute_tran
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
     plan_rank_transfers,
     RankPlan,
     ReshardAbortedError,
@@ -95,6 +94,7 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.plan_validation import text_digest
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
 from torchrec.distributed.resharding.wire import (
     AbortedByPeer,
     AbortSignal,

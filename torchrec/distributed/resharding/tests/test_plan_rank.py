@@ -26,8 +26,6 @@ from typing import Dict, Mapping, Optional, Sequence
 import hypothesis.strategies as st
 from hypothesis import given, HealthCheck, settings
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    PieceCost,
     PlacedShard,
     plan_rank_transfers,
     plan_transfers,
@@ -38,6 +36,7 @@ from torchrec.distributed.resharding.plan import (
     TableLayout,
     Transfer,
 )
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank, PieceCost
 from torchrec.distributed.test_utils.plan_layouts import (
     LAYOUT_KINDS,
     layout_of,
