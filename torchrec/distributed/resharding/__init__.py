@@ -14,10 +14,10 @@ a running job, over the job's own collectives.
 
 The public API is exported here. Each module's docstring says what it does;
 ``runner`` says how every kind of transaction runs (agree, build, exchange,
-commit), ``plan`` how a rank plans its part, and ``rebalance`` is the
-subpackage of a job that rebalances itself. ``fault`` is the subpackage of a
-job that survives a lost rank (``FaultTolerance``; its names are exported
-there).
+commit), ``transfer_plan`` how a rank plans its part, and ``rebalance`` is
+the subpackage of a job that rebalances itself. ``fault`` is the subpackage
+of a job that survives a lost rank (``FaultTolerance``; its names are
+exported there).
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa

@@ -86,8 +86,6 @@ from torchrec.distributed.resharding.exchange import ExchangeStats, execute_tran
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
-    plan_rank_transfers,
-    RankPlan,
     ReshardAbortedError,
     ReshardError,
     TableLayout,
@@ -95,6 +93,7 @@ from torchrec.distributed.resharding.plan import (
 from torchrec.distributed.resharding.plan_validation import text_digest
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
 from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
+from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers, RankPlan
 from torchrec.distributed.resharding.wire import (
     AbortedByPeer,
     AbortSignal,

@@ -20,12 +20,11 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import DefaultDict, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-from torchrec.distributed.resharding.plan import (
+from torchrec.distributed.resharding.plan import Rect, TableLayout
+from torchrec.distributed.resharding.transfer_plan import (
     _RECT_KEY,
     _RectIndex,
     _shard_ranks,
-    Rect,
-    TableLayout,
 )
 
 

@@ -27,9 +27,6 @@ import hypothesis.strategies as st
 from hypothesis import given, HealthCheck, settings
 from torchrec.distributed.resharding.plan import (
     PlacedShard,
-    plan_rank_transfers,
-    plan_transfers,
-    RankPlan,
     Rect,
     replicated_layout,
     ReshardPlan,
@@ -37,6 +34,11 @@ from torchrec.distributed.resharding.plan import (
     Transfer,
 )
 from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank, PieceCost
+from torchrec.distributed.resharding.transfer_plan import (
+    plan_rank_transfers,
+    plan_transfers,
+    RankPlan,
+)
 from torchrec.distributed.test_utils.plan_layouts import (
     LAYOUT_KINDS,
     layout_of,
