@@ -25,6 +25,7 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     move_model,
     MovedModel,
 )
+from torchrec.distributed.resharding.exchange_groups import ExchangeGroups  # noqa
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
     plan_delta,
@@ -73,7 +74,6 @@ from torchrec.distributed.resharding.unshard import (  # noqa
     unshard_model,
     UnshardedModel,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroups  # noqa
 
 __all__ = [
     "PhaseTimes",

@@ -83,6 +83,11 @@ from torchrec.distributed.resharding.device_memory import (
     TablePlacement,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
+from torchrec.distributed.resharding.exchange_groups import (
+    ExchangeGroups,
+    kept_exchange_groups,
+    same_kept_group,
+)
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
@@ -98,10 +103,7 @@ from torchrec.distributed.resharding.wire import (
     AbortedByPeer,
     AbortSignal,
     ExchangeGroup,
-    ExchangeGroups,
-    kept_exchange_groups,
     normalized_device,
-    same_kept_group,
     synchronize_device,
 )
 from torchrec.distributed.types import ParameterSharding
@@ -361,8 +363,8 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
     def exchange_groups_owner(self) -> Optional[Any]:
         """
         The ``ShardingEnv`` whose kept exchange groups serve the transaction
-        when its options name none (``wire.kept_exchange_groups``); None: a
-        group for this transaction alone.
+        when its options name none (``exchange_groups.kept_exchange_groups``);
+        None: a group for this transaction alone.
         """
         return None
 
@@ -533,8 +535,8 @@ def _exchange_groups(
     """
     Where the transaction finds and keeps its exchange group: the options'
     groups, else those of the participant's ``ShardingEnv``
-    (``wire.kept_exchange_groups``), else its own (closed at its end; the
-    second value says so).
+    (``exchange_groups.kept_exchange_groups``), else its own (closed at its
+    end; the second value says so).
     """
     if options.exchange_groups is not None:
         return options.exchange_groups, False
