@@ -67,8 +67,11 @@ from torchrec.distributed.resharding.rebalance.search import (  # noqa
     search_moves,
     SearchResult,
 )
-from torchrec.distributed.resharding.runner import PhaseTimes, TransactionReport  # noqa
 from torchrec.distributed.resharding.transaction import reshard_module  # noqa
+from torchrec.distributed.resharding.transaction_report import (  # noqa
+    PhaseTimes,
+    TransactionReport,
+)
 from torchrec.distributed.resharding.unshard import (  # noqa
     shard_from_rank,
     unshard_model,

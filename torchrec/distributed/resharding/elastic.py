@@ -99,9 +99,9 @@ from torchrec.distributed.resharding.runner import (
     run_transaction,
     Slots,
     TransactionLayouts,
-    TransactionReport,
 )
 from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer

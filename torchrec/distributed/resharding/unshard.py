@@ -68,10 +68,10 @@ from torchrec.distributed.resharding.runner import (
     run_transaction,
     Slots,
     TransactionLayouts,
-    TransactionReport,
 )
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 

@@ -116,7 +116,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
 )
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
-from torchrec.distributed.resharding.runner import TransactionReport
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
