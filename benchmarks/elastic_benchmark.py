@@ -219,7 +219,7 @@ def plan_group_move(move: GroupMove) -> GroupMoveDryRun:
     Returns:
         GroupMoveDryRun: bytes per global rank.
     """
-    from torchrec.distributed.resharding.plan import plan_table_transfers
+    from torchrec.distributed.resharding.transfer_plan import plan_table_transfers
 
     out = GroupMoveDryRun()
     for rank in sorted(set(move.old_ranks) | set(move.new_ranks)):

@@ -13,7 +13,7 @@ module is resharded back and forth (``--reshards`` times, after a warm-up),
 once with a new exchange group per reshard (a new ``ExchangeGroups`` in
 ``ReshardOptions.exchange_groups`` each time, closed after it) and once the
 default way, where the module's ``ShardingEnv`` keeps the group across the
-reshards (``wire.kept_exchange_groups``).
+reshards (``exchange_groups.kept_exchange_groups``).
 Each reshard's report gives the seconds spent connecting the group
 (``connect_seconds``), the exchange phase and the whole reshard; the table
 prints their means on rank 0 and the ratio kept / per reshard.

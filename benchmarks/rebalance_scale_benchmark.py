@@ -232,11 +232,8 @@ def bytes_and_planning(before: Any, layouts: Dict[str, Any]) -> Tuple[List[int],
     The engine's dry-run count of a move (bytes sent + received per rank)
     and the seconds ``plan_rank_transfers`` takes for its busiest rank.
     """
-    from torchrec.distributed.resharding.plan import (
-        bytes_per_rank,
-        PieceCost,
-        plan_rank_transfers,
-    )
+    from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank, PieceCost
+    from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers
 
     old = {k: v for k, v in before.layouts().items() if k in layouts}
     costs = {k: PieceCost(ELEMENT_BYTES) for k in layouts}

@@ -62,15 +62,14 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from common import fmt, output_arguments, save_results
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    PieceCost,
     PlacedShard,
-    plan_rank_transfers,
     Rect,
     replicated_layout,
     TableLayout,
     Transfer,
 )
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank, PieceCost
+from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers
 from torchrec.distributed.test_utils.plan_layouts import reference_plan
 
 # Measured with the whole-plan planner every rank used to run (same machine).

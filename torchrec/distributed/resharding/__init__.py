@@ -14,10 +14,10 @@ a running job, over the job's own collectives.
 
 The public API is exported here. Each module's docstring says what it does;
 ``runner`` says how every kind of transaction runs (agree, build, exchange,
-commit), ``plan`` how a rank plans its part, and ``rebalance`` is the
-subpackage of a job that rebalances itself. ``fault`` is the subpackage of a
-job that survives a lost rank (``FaultTolerance``; its names are exported
-there).
+commit), ``transfer_plan`` how a rank plans its part, and ``rebalance`` is
+the subpackage of a job that rebalances itself. ``fault`` is the subpackage
+of a job that survives a lost rank (``FaultTolerance``; its names are
+exported there).
 """
 
 from torchrec.distributed.resharding.elastic import (  # noqa
@@ -25,6 +25,7 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     move_model,
     MovedModel,
 )
+from torchrec.distributed.resharding.exchange_groups import ExchangeGroups  # noqa
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
     plan_delta,
@@ -66,14 +67,16 @@ from torchrec.distributed.resharding.rebalance.search import (  # noqa
     search_moves,
     SearchResult,
 )
-from torchrec.distributed.resharding.runner import PhaseTimes, TransactionReport  # noqa
 from torchrec.distributed.resharding.transaction import reshard_module  # noqa
+from torchrec.distributed.resharding.transaction_report import (  # noqa
+    PhaseTimes,
+    TransactionReport,
+)
 from torchrec.distributed.resharding.unshard import (  # noqa
     shard_from_rank,
     unshard_model,
     UnshardedModel,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroups  # noqa
 
 __all__ = [
     "PhaseTimes",

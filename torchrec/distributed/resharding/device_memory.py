@@ -40,11 +40,8 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 import torch
 from torchrec.distributed.resharding.fields import Field, FieldKind, piece_cost, WEIGHT
-from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    ReshardError,
-    TableLayout,
-)
+from torchrec.distributed.resharding.plan import ReshardError, TableLayout
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
 
 # Device buffers a newly connected NCCL communicator allocates outside
 # PyTorch's allocator (channels x peers x NCCL_BUFFSIZE, 4 MiB by default):

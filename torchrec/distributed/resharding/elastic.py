@@ -91,20 +91,17 @@ from torchrec.distributed.resharding.model_view import (
 )
 from torchrec.distributed.resharding.optimizer_state import apply_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
-from torchrec.distributed.resharding.plan import (
-    ReshardError,
-    sharding_plan_text,
-    TableLayout,
-)
+from torchrec.distributed.resharding.plan import ReshardError, TableLayout
+from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import (
     described,
     Participant,
     run_transaction,
     Slots,
     TransactionLayouts,
-    TransactionReport,
 )
 from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer

@@ -34,12 +34,14 @@ from torchrec.distributed.resharding.fields import (
 )
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
-    MOVABLE_COMPUTE_KERNELS,
     PlacedShard,
     Rect,
     ReshardError,
-    sharding_plan_text,
     TableLayout,
+)
+from torchrec.distributed.resharding.plan_validation import (
+    MOVABLE_COMPUTE_KERNELS,
+    sharding_plan_text,
     text_digest,
     validate_parameter_sharding,
 )

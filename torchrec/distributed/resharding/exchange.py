@@ -12,9 +12,9 @@ The one executor of live resharding: it fills new shards from old ones, on
 the transaction's exchange group (``wire.ExchangeGroup``).
 
 :func:`execute_transfers` takes one rank's part of a plan
-(:class:`~torchrec.distributed.resharding.plan.RankPlan`), the fields of every
-table, a :class:`PieceIO` (where a piece is read from and written to, in the
-spirit of DCP's ``resolve_tensor`` / ``commit_tensor``) and the group:
+(:class:`~torchrec.distributed.resharding.transfer_plan.RankPlan`), the fields
+of every table, a :class:`PieceIO` (where a piece is read from and written to,
+in the spirit of DCP's ``resolve_tensor`` / ``commit_tensor``) and the group:
 
 * pieces that stay on the rank are copied locally, unless the new shard
   already holds them in the old storage;
@@ -41,7 +41,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 import torch
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.memory import pinned_staging, release_buffer
-from torchrec.distributed.resharding.plan import RankPlan, Rect, Transfer
+from torchrec.distributed.resharding.plan import Rect, Transfer
+from torchrec.distributed.resharding.transfer_plan import RankPlan
 from torchrec.distributed.resharding.wire import ExchangeGroup, Message
 
 

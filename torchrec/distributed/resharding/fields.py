@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, Mapping, Sequence, Tuple
 
 import torch
-from torchrec.distributed.resharding.plan import PieceCost, Transfer
+from torchrec.distributed.resharding.plan import Transfer
+from torchrec.distributed.resharding.transfer_bytes import PieceCost
 
 WEIGHT = "weight"
 

@@ -38,10 +38,12 @@ from torchrec.distributed.resharding.kernel_state import (
 )
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
-    MOVABLE_COMPUTE_KERNELS,
-    MOVABLE_SHARDING_TYPES,
     ReshardError,
     TableLayout,
+)
+from torchrec.distributed.resharding.plan_validation import (
+    MOVABLE_COMPUTE_KERNELS,
+    MOVABLE_SHARDING_TYPES,
     validate_parameter_sharding,
 )
 from torchrec.distributed.resharding.wire import normalized_device

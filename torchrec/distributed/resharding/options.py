@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Optional, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torchrec.distributed.resharding.wire import ExchangeGroups
+    from torchrec.distributed.resharding.exchange_groups import ExchangeGroups
 
 
 class StorageMode(enum.Enum):

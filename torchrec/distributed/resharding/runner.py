@@ -34,8 +34,8 @@ runner takes every participant through the same phases, each under
 3. **exchange**: on the transaction's exchange group (``wire``: connected for
    it, or kept from an earlier transaction of the same ranks when every rank
    kept it, which the build's agreement decides), once this rank's device
-   finished the work queued on it, the runner plans
-   this rank's part (``plan.plan_rank_transfers``) and the one executor
+   finished the work queued on it, the runner plans this rank's part
+   (``transfer_plan.plan_rank_transfers``) and the one executor
    (``exchange.execute_transfers``) fills the participant's new slots from its
    old ones (:meth:`Participant.slots`, read and written by ``slots.slot_io``);
    then whatever else travels (:meth:`Participant.after_exchange`), and
@@ -47,7 +47,8 @@ runner takes every participant through the same phases, each under
 A failure anywhere before the commit calls :meth:`Participant.abort` (the one
 abort path) and leaves what runs exactly as it was; a failure in the exchange
 aborts the exchange group too (never a shutdown that waits for a dead peer).
-Every kind of transaction returns one :class:`TransactionReport`.
+Every kind of transaction returns one
+:class:`~torchrec.distributed.resharding.transaction_report.TransactionReport`.
 """
 
 import abc
@@ -83,26 +84,31 @@ from torchrec.distributed.resharding.device_memory import (
     TablePlacement,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
+from torchrec.distributed.resharding.exchange_groups import (
+    ExchangeGroups,
+    kept_exchange_groups,
+    same_kept_group,
+)
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    plan_rank_transfers,
-    RankPlan,
     ReshardAbortedError,
     ReshardError,
     TableLayout,
-    text_digest,
 )
+from torchrec.distributed.resharding.plan_validation import text_digest
 from torchrec.distributed.resharding.slots import LocalSlot, slot_io, SlotKey
+from torchrec.distributed.resharding.transaction_report import (
+    PhaseTimes,
+    TransactionReport,
+)
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
+from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers, RankPlan
 from torchrec.distributed.resharding.wire import (
     AbortedByPeer,
     AbortSignal,
     ExchangeGroup,
-    ExchangeGroups,
-    kept_exchange_groups,
     normalized_device,
-    same_kept_group,
     synchronize_device,
 )
 from torchrec.distributed.types import ParameterSharding
@@ -140,29 +146,6 @@ def described(render: Callable[[Any], str], value: Any) -> str:
 
 
 @dataclass(frozen=True)
-class PhaseTimes:
-    """
-    Wall time of each phase of a transaction on one rank, in seconds.
-
-    Args:
-        agree (float): validation and the first agreement.
-        build (float): building the new state and the second agreement.
-        exchange (float): the exchange group, the fill, what else travels and
-            the barrier.
-        commit (float): swapping the new state in.
-    """
-
-    agree: float = 0.0
-    build: float = 0.0
-    exchange: float = 0.0
-    commit: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.agree + self.build + self.exchange + self.commit
-
-
-@dataclass(frozen=True)
 class TransactionLayouts:
     """
     What a transaction moves, stated alike by every participant once the ranks
@@ -187,82 +170,6 @@ class TransactionLayouts:
     fields: Mapping[str, Sequence[Field]]
     dense_bytes: int = 0
     placements: Mapping[str, TablePlacement] = field(default_factory=dict)
-
-
-@dataclass
-class TransactionReport(ExchangeStats):
-    """
-    What one rank did in a transaction of any kind, or, from a dry run, what
-    every rank would move. The byte counts of :class:`ExchangeStats` are what
-    this rank moved (none in a dry run).
-
-    Args:
-        kind (str): "reshard", "move", "unshard" or "shard_from_rank".
-        rank (int): this rank's global rank.
-        role (str): this rank's part ("member" of a reshard; "stayed", "left"
-            or "joined" in a move; "source" or "destination" in an unshard or
-            a shard from one rank).
-        dry_run (bool): nothing was built or moved.
-        phases (PhaseTimes): wall time of each phase on this rank.
-        tables_moved (Dict[str, List[str]]): module path -> its tables whose
-            layout changes (the same on every rank).
-        tables_rebuilt (Dict[str, List[str]]): module path -> its tables the
-            transaction plans and rebuilds.
-        tables_kept_in_place (Dict[str, List[str]]): module path -> its tables
-            of which a shard of this rank kept its storage (nothing copied),
-            once per shard.
-        bytes_released (int): bytes of departed tables' state given back to
-            the OS from storage that kept shards share.
-        dense_bytes (int): bytes of the dense part each receiving rank gets.
-        bytes_sent_by_rank (Dict[int, int]): from a dry run: global rank ->
-            table bytes it would send.
-        bytes_received_by_rank (Dict[int, int]): from a dry run: global rank
-            -> table bytes it would receive.
-        deltas (Optional[Dict[str, Dict[str, ParameterSharding]]]): the facts
-            of a reshard: module path -> its changed tables and their new
-            sharding (None for the other kinds).
-        connect_seconds (float): of the exchange phase, the time this rank
-            took to connect the exchange group (0 when a kept one was reused).
-        exchange_group (str): the name of the exchange group used (the
-            transaction that connected it).
-        communicator_bytes (int): device memory the exchange group's
-            connect took on this rank (measured; 0 on CPU).
-        kept_communicator_bytes (int): device memory of every exchange group
-            this rank keeps after the transaction (its ``ExchangeGroups``).
-        estimated_peak_bytes (int): the bound of the bytes the transaction
-            could add on this rank's device (``device_memory``; checked
-            against the free memory on CUDA).
-        peak_memory_bytes (int): the peak this rank reached (``memory_kind``).
-        memory_kind (str): what ``peak_memory_bytes`` counts:
-            "cuda_allocated" (device bytes allocated through PyTorch) or
-            "host_rss" (the process's resident set).
-    """
-
-    kind: str = ""
-    rank: int = 0
-    role: str = "member"
-    dry_run: bool = False
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-    tables_moved: Dict[str, List[str]] = field(default_factory=dict)
-    tables_rebuilt: Dict[str, List[str]] = field(default_factory=dict)
-    tables_kept_in_place: Dict[str, List[str]] = field(default_factory=dict)
-    bytes_released: int = 0
-    dense_bytes: int = 0
-    bytes_sent_by_rank: Dict[int, int] = field(default_factory=dict)
-    bytes_received_by_rank: Dict[int, int] = field(default_factory=dict)
-    deltas: Optional[Dict[str, Dict[str, ParameterSharding]]] = None
-    connect_seconds: float = 0.0
-    exchange_group: str = ""
-    communicator_bytes: int = 0
-    kept_communicator_bytes: int = 0
-    estimated_peak_bytes: int = 0
-    peak_memory_bytes: int = 0
-    memory_kind: str = ""
-
-    @property
-    def seconds(self) -> float:
-        """Wall time of the transaction on this rank."""
-        return self.phases.total
 
 
 class Participant(abc.ABC, Generic[FactsT, MergedT]):
@@ -362,8 +269,8 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
     def exchange_groups_owner(self) -> Optional[Any]:
         """
         The ``ShardingEnv`` whose kept exchange groups serve the transaction
-        when its options name none (``wire.kept_exchange_groups``); None: a
-        group for this transaction alone.
+        when its options name none (``exchange_groups.kept_exchange_groups``);
+        None: a group for this transaction alone.
         """
         return None
 
@@ -534,8 +441,8 @@ def _exchange_groups(
     """
     Where the transaction finds and keeps its exchange group: the options'
     groups, else those of the participant's ``ShardingEnv``
-    (``wire.kept_exchange_groups``), else its own (closed at its end; the
-    second value says so).
+    (``exchange_groups.kept_exchange_groups``), else its own (closed at its
+    end; the second value says so).
     """
     if options.exchange_groups is not None:
         return options.exchange_groups, False

@@ -79,11 +79,13 @@ from torchrec.distributed.resharding.optimizer_state import (
 )
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.plan import (
-    delta_digest,
     layout_from_parameter_sharding,
-    MOVABLE_COMPUTE_KERNELS,
     ReshardError,
     TableLayout,
+)
+from torchrec.distributed.resharding.plan_validation import (
+    delta_digest,
+    MOVABLE_COMPUTE_KERNELS,
 )
 from torchrec.distributed.resharding.runner import (
     described,
@@ -91,10 +93,10 @@ from torchrec.distributed.resharding.runner import (
     run_transaction,
     Slots,
     TransactionLayouts,
-    TransactionReport,
 )
 from torchrec.distributed.resharding.slots import keyed_slots
 from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 

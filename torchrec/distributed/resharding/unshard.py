@@ -60,17 +60,18 @@ from torchrec.distributed.resharding.model_view import (
     sharded_slots,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import Rect, ReshardError, sharding_plan_text
+from torchrec.distributed.resharding.plan import Rect, ReshardError
+from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import (
     described,
     Participant,
     run_transaction,
     Slots,
     TransactionLayouts,
-    TransactionReport,
 )
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 

@@ -37,14 +37,16 @@ from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
-    plan_rank_transfers,
-    plan_transfers,
     Rect,
     replicated_layout,
     ReshardError,
     ReshardPlan,
     TableLayout,
     Transfer,
+)
+from torchrec.distributed.resharding.transfer_plan import (
+    plan_rank_transfers,
+    plan_transfers,
 )
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import (

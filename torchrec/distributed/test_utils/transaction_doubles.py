@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.resharding.exchange_groups import ExchangeGroups
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.runner import (
@@ -28,11 +29,7 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.slots import LocalSlot
-from torchrec.distributed.resharding.wire import (
-    ExchangeGroup,
-    ExchangeGroups,
-    open_exchange_group,
-)
+from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 
 WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
 WHOLE = Rect(0, 0, 4, 3)

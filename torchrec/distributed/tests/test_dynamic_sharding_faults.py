@@ -24,16 +24,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding import (
+    exchange_groups,
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
     slots,
     wire,
 )
+from torchrec.distributed.resharding.exchange_groups import kept_exchange_groups
 from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.resharding.slots import LocalSlot, read_piece
-from torchrec.distributed.resharding.wire import ExchangeGroup, kept_exchange_groups
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.reshard_scenario import (
     MIXED_PLAN_A,
     MIXED_PLAN_B,
@@ -124,10 +126,10 @@ def _registry() -> Tuple[int, int, int]:
 
 def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> None:
     """Without ``ReshardOptions.exchange_groups`` the module's ShardingEnv
-    keeps the exchange group (``wire.kept_exchange_groups``): three reshards
-    connect one group, the same on every rank, which stays open for the next
-    and is never registered in torch.distributed (nothing is cached for the
-    process or keyed by a group's id)."""
+    keeps the exchange group (``exchange_groups.kept_exchange_groups``):
+    three reshards connect one group, the same on every rank, which stays
+    open for the next and is never registered in torch.distributed (nothing
+    is cached for the process or keyed by a group's id)."""
     with reshard_scenario(rank, world_size, port, 4) as scenario:
         pg, device, env = scenario.pg, scenario.device, scenario.env
         plan_a = scenario.plan(MIXED_PLAN_A)
@@ -149,7 +151,7 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
             close_group(group)
 
         with (
-            mock.patch.object(wire, "open_exchange_group", recording_open),
+            mock.patch.object(exchange_groups, "open_exchange_group", recording_open),
             mock.patch.object(ExchangeGroup, "close", recording_close),
         ):
             for old, new in ((plan_a, plan_b), (plan_b, plan_a), (plan_a, plan_b)):

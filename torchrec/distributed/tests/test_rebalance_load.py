@@ -36,7 +36,10 @@ from torchrec.distributed.resharding.rebalance.load import (
 )
 from torchrec.distributed.resharding.rebalance.monitor import _HostEventTimer, HostEvent
 from torchrec.distributed.resharding.rebalance.rebalancer import move_seconds
-from torchrec.distributed.resharding.runner import PhaseTimes, TransactionReport
+from torchrec.distributed.resharding.transaction_report import (
+    PhaseTimes,
+    TransactionReport,
+)
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding import (
+    exchange_groups,
     move_model,
     reshard_module,
     ReshardAbortedError,
@@ -37,7 +38,6 @@ from torchrec.distributed.resharding import (
     shard_from_rank,
     slots,
     unshard_model,
-    wire,
 )
 from torchrec.distributed.resharding.elastic import ModelMove
 from torchrec.distributed.resharding.runner import Participant
@@ -122,7 +122,7 @@ def _fault(kind: Type[Participant], phase: str, faulty: bool) -> Any:
     if phase == "build":
         return mock.patch.object(kind, "build", _after(kind.build))
     if phase == "group":
-        return mock.patch.object(wire, "open_exchange_group", _raise)
+        return mock.patch.object(exchange_groups, "open_exchange_group", _raise)
     if phase == "exchange":
         return mock.patch.object(slots, "read_piece", _faulty_read())
     return mock.patch.object(kind, "after_exchange", _raise)

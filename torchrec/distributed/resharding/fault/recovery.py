@@ -45,12 +45,9 @@ from torchrec.distributed.resharding.model_view import (
     sharded_tables,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.runner import (
-    run_transaction,
-    Slots,
-    TransactionReport,
-)
+from torchrec.distributed.resharding.runner import run_transaction, Slots
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 

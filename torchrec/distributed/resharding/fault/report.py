@@ -20,7 +20,7 @@ from torch import nn
 from torchrec.distributed.resharding.fault.membership import FaultReport, Membership
 from torchrec.distributed.resharding.fault.recovery_plan import RecoveryPlan
 from torchrec.distributed.resharding.fault.sources import AgreedSources
-from torchrec.distributed.resharding.runner import TransactionReport
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 

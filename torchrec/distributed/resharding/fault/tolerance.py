@@ -92,7 +92,10 @@ from torchrec.distributed.resharding.model_view import (
     unsharded_definition,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import sharding_plan_text, text_digest
+from torchrec.distributed.resharding.plan_validation import (
+    sharding_plan_text,
+    text_digest,
+)
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer

@@ -46,6 +46,7 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.agreement import agree_among_ranks
 from torchrec.distributed.resharding.elastic_plan import TableShape
+from torchrec.distributed.resharding.exchange_groups import ExchangeGroups
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.model import dry_run, plan_delta
 from torchrec.distributed.resharding.model_view import (
@@ -54,9 +55,8 @@ from torchrec.distributed.resharding.model_view import (
     sharded_tables,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.plan import (
-    ReshardAbortedError,
-    ReshardError,
+from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
+from torchrec.distributed.resharding.plan_validation import (
     sharding_plan_text,
     text_digest,
 )
@@ -116,8 +116,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
 )
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
-from torchrec.distributed.resharding.runner import TransactionReport
-from torchrec.distributed.resharding.wire import ExchangeGroups
+from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,

@@ -38,10 +38,8 @@ from torchrec.distributed.resharding.elastic_plan import (
 )
 from torchrec.distributed.resharding.memory import pinned_staging
 from torchrec.distributed.resharding.model_view import broadcast_dense
-from torchrec.distributed.resharding.plan import (
-    ReshardError,
-    validate_parameter_sharding,
-)
+from torchrec.distributed.resharding.plan import ReshardError
+from torchrec.distributed.resharding.plan_validation import validate_parameter_sharding
 from torchrec.distributed.sharding.dynamic_sharding import _new_shard_device
 from torchrec.distributed.test_utils.plan_layouts import sharding_by_hand
 from torchrec.distributed.types import ShardingPlan

@@ -32,12 +32,8 @@ from torchrec.distributed.resharding.elastic_plan import (
     whole_on,
 )
 from torchrec.distributed.resharding.fields import TableFacts
-from torchrec.distributed.resharding.plan import (
-    PlacedShard,
-    plan_transfers,
-    Rect,
-    ReshardError,
-)
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, ReshardError
+from torchrec.distributed.resharding.transfer_plan import plan_transfers
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     row_wise,

@@ -37,18 +37,20 @@ from torchrec.distributed.resharding.device_memory import (
     NCCL_PEER_BYTES,
 )
 from torchrec.distributed.resharding.elastic import state_devices
+from torchrec.distributed.resharding.exchange_groups import (
+    ExchangeGroups,
+    kept_exchange_groups,
+    same_kept_group,
+)
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.runner import communicator_budget, run_transaction
 from torchrec.distributed.resharding.wire import (
     _pair_order,
     ExchangeGroup,
-    ExchangeGroups,
-    kept_exchange_groups,
     Message,
     normalized_device,
     open_exchange_group,
-    same_kept_group,
     synchronize_device,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (

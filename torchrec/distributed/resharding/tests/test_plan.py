@@ -27,13 +27,15 @@ from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     layout_from_shards_metadata,
     PlacedShard,
-    plan_table_transfers,
-    plan_transfers,
     Rect,
     replicated_layout,
     ReshardPlan,
     TableLayout,
     Transfer,
+)
+from torchrec.distributed.resharding.transfer_plan import (
+    plan_table_transfers,
+    plan_transfers,
 )
 from torchrec.distributed.test_utils.plan_layouts import (
     constructed_sharding,

@@ -26,17 +26,18 @@ from typing import Dict, Mapping, Optional, Sequence
 import hypothesis.strategies as st
 from hypothesis import given, HealthCheck, settings
 from torchrec.distributed.resharding.plan import (
-    bytes_per_rank,
-    PieceCost,
     PlacedShard,
-    plan_rank_transfers,
-    plan_transfers,
-    RankPlan,
     Rect,
     replicated_layout,
     ReshardPlan,
     TableLayout,
     Transfer,
+)
+from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank, PieceCost
+from torchrec.distributed.resharding.transfer_plan import (
+    plan_rank_transfers,
+    plan_transfers,
+    RankPlan,
 )
 from torchrec.distributed.test_utils.plan_layouts import (
     LAYOUT_KINDS,

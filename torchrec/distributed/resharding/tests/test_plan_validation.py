@@ -26,10 +26,12 @@ from hypothesis import given, HealthCheck, settings
 from torch.distributed._shard.metadata import ShardMetadata
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.plan import (
-    delta_digest,
-    describe_parameter_sharding,
     layout_from_parameter_sharding,
     ReshardError,
+)
+from torchrec.distributed.resharding.plan_validation import (
+    delta_digest,
+    describe_parameter_sharding,
     validate_parameter_sharding,
 )
 from torchrec.distributed.test_utils.plan_layouts import (
@@ -302,7 +304,7 @@ class ValidationTest(unittest.TestCase):
 _DELTA_SOURCE = """
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.resharding.plan import delta_digest
+from torchrec.distributed.resharding.plan_validation import delta_digest
 from torchrec.distributed.types import ParameterSharding
 
 

@@ -30,13 +30,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding.agreement import agree_among_ranks
+from torchrec.distributed.resharding.exchange_groups import (
+    ExchangeGroups,
+    same_kept_group,
+)
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.wire import (
     ExchangeGroup,
-    ExchangeGroups,
     Message,
     open_exchange_group,
-    same_kept_group,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
