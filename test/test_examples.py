@@ -16,11 +16,6 @@ BENCHMARKS: List[Path] = sorted(
 )
 #: package names that hold test code, not API
 TEST_PACKAGES = frozenset({"test_utils", "tests"})
-#: examples that still run test code, each with why (strict: one that stops
-#: must leave this list)
-STILL_ON_TEST_CODE = {
-    "drain_node_demo.py": "its scenario is still test_utils.elastic_drain_worker",
-}
 
 
 def imported_modules(path: Path) -> List[str]:
@@ -48,21 +43,7 @@ def test_there_are_examples_and_benchmarks() -> None:
     assert EXAMPLES and BENCHMARKS
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            p,
-            marks=(
-                [pytest.mark.xfail(strict=True, reason=STILL_ON_TEST_CODE[p.name])]
-                if p.name in STILL_ON_TEST_CODE
-                else []
-            ),
-        )
-        for p in EXAMPLES
-    ],
-    ids=lambda p: p.name,
-)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_example_imports_no_test_code(path: Path) -> None:
     """No module of a ``test_utils`` or ``tests`` package, however imported."""
     test_code = [
