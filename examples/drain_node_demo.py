@@ -59,19 +59,11 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed import sharding_plan
 from torchrec.distributed.comm import new_intra_and_cross_node_pgs
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.resharding import move_model, ReshardError
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    grid_shard,
-    row_wise,
-    table_row_wise,
-    table_wise,
-)
+from torchrec.distributed.resharding import move_model, MovedModel, ReshardError
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -100,61 +92,41 @@ TABLES: List[EmbeddingBagConfig] = [
     )
     for i in range(6)
 ]
-# Per plan, its ranks and each table's sharding; hosts and ranks count in the
-# plan's own group (C and D: host 0's ranks [0, 1] only).
-# A kind of sharding: how a plan's line says it, and its generator of the
-# argument of a plan's entry (a rank, a host, hosts, ranks or None).
-KINDS: Dict[str, Tuple[str, Callable[[Any], Any]]] = {
-    "DP": ("DP", lambda _: data_parallel()),
-    "TW": ("TW rank", lambda rank: table_wise(rank=rank)),
-    "TWRW": ("TWRW host", lambda host: table_row_wise(host_index=host)),
-    "GRID": ("grid hosts", lambda hosts: grid_shard(host_indexes=hosts)),
-    "CW": ("CW ranks", lambda ranks: column_wise(ranks=ranks)),
-    "RW": ("RW", lambda _: row_wise()),
+# A kind of sharding: how a plan's line says it, and TorchRec's generator of
+# its placement; both get the kind's numbers in a plan (a rank, a host, the
+# hosts of a grid's column blocks, the ranks of column shards).
+KINDS: Dict[str, Tuple[Callable[[List[int]], str], Callable[[List[int]], Any]]] = {
+    "DP": (lambda _: "DP", lambda _: sharding_plan.data_parallel()),
+    "TW": (lambda n: f"TW rank {n[0]}", lambda n: sharding_plan.table_wise(rank=n[0])),
+    "TWRW": (
+        lambda n: f"TWRW host {n[0]}",
+        lambda n: sharding_plan.table_row_wise(host_index=n[0]),
+    ),
+    "GRID": (
+        lambda n: f"grid hosts {n}",
+        lambda n: sharding_plan.grid_shard(host_indexes=n),
+    ),
+    "CW": (lambda n: f"CW ranks {n}", lambda n: sharding_plan.column_wise(ranks=n)),
+    "RW": (lambda _: "RW", lambda _: sharding_plan.row_wise()),
 }
-PLANS: Dict[str, Tuple[int, List[Tuple[str, Any]]]] = {
+# Each plan's ranks, and the sharding of t0, ..., t5 ("KIND numbers"); hosts
+# and ranks count in the plan's own group (C and D: host 0's ranks [0, 1]).
+PLANS: Dict[str, Tuple[int, str]] = {
     # 2 hosts: table-row-wise on host 1, grid over both hosts
-    "A": (
-        4,
-        [
-            ("DP", None),
-            ("TW", 3),
-            ("TWRW", 1),
-            ("GRID", [0, 1]),
-            ("CW", [2, 1]),
-            ("RW", None),
-        ],
-    ),
+    "A": (4, "DP, TW 3, TWRW 1, GRID 0 1, CW 2 1, RW"),
     # within the 4 ranks: tables cross the hosts; t5 stays put
-    "B": (
-        4,
-        [
-            ("DP", None),
-            ("TW", 0),
-            ("TWRW", 0),
-            ("GRID", [1, 0]),
-            ("TWRW", 1),
-            ("RW", None),
-        ],
-    ),
+    "B": (4, "DP, TW 0, TWRW 0, GRID 1 0, TWRW 1, RW"),
     # host 0 only
-    "C": (
-        2,
-        [
-            ("DP", None),
-            ("TW", 1),
-            ("TWRW", 0),
-            ("GRID", [0, 0]),
-            ("CW", [1, 0]),
-            ("RW", None),
-        ],
-    ),
+    "C": (2, "DP, TW 1, TWRW 0, GRID 0 0, CW 1 0, RW"),
     # within host 0 after the drain
-    "D": (
-        2,
-        [("DP", None), ("TW", 0), ("RW", None), ("CW", [0, 1]), ("TWRW", 0), ("TW", 1)],
-    ),
+    "D": (2, "DP, TW 0, RW, CW 0 1, TWRW 0, TW 1"),
 }
+
+
+def shardings(name: str) -> List[Tuple[str, List[int]]]:
+    """Plan ``name``'s (kind, numbers) of every table, in table order."""
+    entries = [entry.split() for entry in PLANS[name][1].split(", ")]
+    return [(kind, [int(n) for n in numbers]) for kind, *numbers in entries]
 
 
 # ------------------------------------------------------------------- model
@@ -181,11 +153,13 @@ def definition(device: str = "meta") -> DrainModel:
 
 def plan(name: str) -> ShardingPlan:
     """Plan ``name`` of ``PLANS``: fused kernels but for data-parallel tables."""
-    size, specs = PLANS[name]
-    generators = {t.name: KINDS[kind][1](arg) for t, (kind, arg) in zip(TABLES, specs)}
-    sparse = construct_module_sharding_plan(
+    size = PLANS[name][0]
+    sparse = sharding_plan.construct_module_sharding_plan(
         definition().sparse,
-        generators,
+        {
+            table.name: KINDS[kind][1](numbers)
+            for table, (kind, numbers) in zip(TABLES, shardings(name))
+        },
         local_size=min(size, LOCAL_SIZE),
         world_size=size,
         device_type="cpu",
@@ -198,12 +172,11 @@ def plan(name: str) -> ShardingPlan:
 
 def describe(name: str) -> str:
     """Plan ``name`` in a line."""
-    size, specs = PLANS[name]
-    parts = [
-        f"{t.name} {KINDS[kind][0]}{'' if arg is None else f' {arg}'}"
-        for t, (kind, arg) in zip(TABLES, specs)
+    tables = [
+        f"{table.name} {KINDS[kind][0](numbers)}"
+        for table, (kind, numbers) in zip(TABLES, shardings(name))
     ]
-    return f"{name} ({size} ranks): " + ", ".join(parts)
+    return f"{name} ({PLANS[name][0]} ranks): " + ", ".join(tables)
 
 
 def sharders() -> List[Any]:
@@ -408,6 +381,38 @@ def trains_like(
     return losses
 
 
+def reshard_checked(
+    model: nn.Module,
+    optimizer: Any,
+    name: str,
+    env: ShardingEnv,
+    steps: Sequence[int],
+    say: Callable[[str], None],
+    equal_line: str = "",
+) -> None:
+    """
+    Reshards ``model`` live to plan ``name`` on ``env``'s group and checks it
+    against a reference sharded directly with that plan from the state
+    gathered right before: the same state after the reshard (then
+    ``equal_line`` is said, if any), the same losses at ``steps``, the same
+    state after them.
+    """
+    pg = env.process_group
+    state = gather(model, optimizer, pg)
+    report = model.reshard(plan(name))
+    say(
+        f"  moved {report.tables_moved.get('sparse', [])}: rank 0 sent "
+        f"{report.bytes_sent} B, received {report.bytes_received} B in "
+        f"{report.seconds:.3f} s"
+    )
+    ref = reference(env, name, state, warm_up=True)
+    assert_same_state(gather(model, optimizer, pg), gather(*ref, pg))
+    if equal_line:
+        say(equal_line)
+    trains_like(model, optimizer, ref, steps, dist.get_rank(pg), say)
+    assert_same_state(gather(model, optimizer, pg), gather(*ref, pg))
+
+
 # ------------------------------------------------------------------ worker
 
 
@@ -461,22 +466,11 @@ def scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
 
     # 2. reshard within the world: tables cross the hosts
     say(f"phase 2: reshard live to plan {describe('B')}")
-    state = gather(model, optimizer, world)
-    report = model.reshard(plan("B"))
-    say(
-        f"  moved {report.tables_moved.get('sparse', [])}: rank 0 sent "
-        f"{report.bytes_sent} B, received {report.bytes_received} B in "
-        f"{report.seconds:.3f} s"
-    )
-    ref = reference(world_env, "B", state, warm_up=True)
-    assert_same_state(gather(model, optimizer, world), gather(*ref, world))
+    equal = "  state equals a model sharded directly with plan B: weights, optimizer"
+    reshard_checked(model, optimizer, "B", world_env, range(step, step + 2), say, equal)
     checks.append("reshard A->B on 2 hosts: state equals plan B sharded directly")
-    say("  state equals a model sharded directly with plan B: weights, optimizer")
-    trains_like(model, optimizer, ref, range(step, step + 2), rank, say)
-    assert_same_state(gather(model, optimizer, world), gather(*ref, world))
     checks.append("reshard A->B on 2 hosts: trains like plan B sharded directly")
     step += 2
-    del ref
 
     # 3. drain host 1: the model moves onto host 0's ranks
     say(
@@ -484,17 +478,22 @@ def scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
         f"{HOST0} under plan {describe('C')}"
     )
     state = gather(model, optimizer, world)
-    # TorchRec cannot build table-row-wise and grid tables on a group without
-    # its node groups: the move is refused on every rank, nothing lost
-    try:
-        move_model(
+
+    def drain_onto(env: Optional[ShardingEnv]) -> MovedModel:
+        """Moves the model onto host 0 (``env`` there, None on host 1)."""
+        return move_model(
             model,
             plan("C"),
-            bare_env,
-            participants=HOST0 + HOST1,
+            env,
+            HOST0 + HOST1,  # every rank takes part: the ones that leave too
             optimizer=optimizer,
             make_optimizer=make_optimizer,
         )
+
+    # TorchRec cannot build table-row-wise and grid tables on a group without
+    # its node groups: the move is refused on every rank, nothing lost
+    try:
+        drain_onto(bare_env)
     except ReshardError as e:
         assert "new_intra_and_cross_node_pgs" in str(e), e
     else:
@@ -511,14 +510,7 @@ def scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
     ]
     gc.disable()  # the old model must be released at once, not by a collection
     try:
-        moved = move_model(
-            model,
-            plan("C"),
-            host0_env,
-            participants=HOST0 + HOST1,
-            optimizer=optimizer,
-            make_optimizer=make_optimizer,
-        )
+        moved = drain_onto(host0_env)
         released = all(k() is None for k in kernels)
     finally:
         gc.enable()
@@ -529,11 +521,14 @@ def scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
     checks.append("drain: the old model was released")
     report = moved.report
     result["move"] = {
-        "role": report.role,
-        "bytes_sent": report.bytes_sent,
-        "bytes_received": report.bytes_received,
-        "bytes_copied_locally": report.bytes_copied_locally,
-        "seconds": report.seconds,
+        field: getattr(report, field)
+        for field in (
+            "role",
+            "seconds",
+            "bytes_sent",
+            "bytes_received",
+            "bytes_copied_locally",
+        )
     }
     if rank in HOST1:
         assert moved.left and moved.model is None and moved.optimizer is None
@@ -574,17 +569,7 @@ def scenario(rank: int, node: int, result: Dict[str, Any]) -> None:
     del ref
 
     say(f"  and reshards within host 0 to plan {describe('D')}")
-    state = gather(model, optimizer, host0_pg)
-    report = model.reshard(plan("D"))
-    say(
-        f"  moved {report.tables_moved.get('sparse', [])}: rank 0 sent "
-        f"{report.bytes_sent} B, received {report.bytes_received} B in "
-        f"{report.seconds:.3f} s"
-    )
-    ref = reference(host0_env, "D", state, warm_up=True)
-    assert_same_state(gather(model, optimizer, host0_pg), gather(*ref, host0_pg))
-    trains_like(model, optimizer, ref, range(step, step + 2), index, say)
-    assert_same_state(gather(model, optimizer, host0_pg), gather(*ref, host0_pg))
+    reshard_checked(model, optimizer, "D", host0_env, range(step, step + 2), say)
     checks.append("host 0 reshard C->D: trains like plan D built directly")
     say("  exact: state and training equal plan D built directly")
     result["exact_after_drain"] = True
@@ -782,12 +767,11 @@ def launcher(argv: Sequence[str]) -> int:
     for name in PLANS:
         print(f"  plan {describe(name)}")
     agents = launch(worker_args, args.timeout, args.verbose)
-    results = {}
-    for rank in range(WORLD):
-        path = os.path.join(result_dir, f"rank{rank}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results[rank] = json.load(f)
+    results: Dict[int, Dict[str, Any]] = {}
+    for name in os.listdir(result_dir):  # rank<r>.json of every rank that wrote
+        if name.startswith("rank") and name.endswith(".json"):
+            with open(os.path.join(result_dir, name)) as f:
+                results[int(name[4:-5])] = json.load(f)
 
     print("\nsummary:")
     for agent in agents:
