@@ -43,8 +43,10 @@ benchmark says so); then the targets relative to it (rebalanced steady
 state within 1.1x the oracle's, at least 70% of the oracle's gain, no
 reshard of the stationary control, predicted step time within 15% of the
 measured one after each reshard); the decisions and outcomes.
-``benchmarks/results/rebalance_benchmark.{json,png}`` keep the figures and a
-plot of block time over steps with the reshards marked.
+``rebalance_benchmark.{json,png}`` in ``--out-dir`` (default
+``benchmarks/results/``, the options of ``common.py``) keep the figures and,
+but with ``--no-plot``, a plot of block time over steps with the reshards
+marked.
 
 Example::
 
@@ -55,7 +57,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,8 +67,14 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import (
+    free_port,
+    gather_to_json,
+    output_arguments,
+    save_results,
+    worker_setup,
+)
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 EBC = "model.sparse_arch.embedding_bag_collection"
 DENSE_IN = 8
 RUNS = ("static", "oracle", "rebalanced", "control", "monitored")
@@ -301,13 +308,7 @@ class Run:
 
 
 def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
-    import logging
-    import warnings
-
-    warnings.simplefilter("ignore")
-    logging.getLogger("torch").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    worker_setup(port, verbose=False, loggers=("torch",))
     os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank))
     dist.init_process_group(
         "gloo", rank=rank, world_size=2, timeout=timedelta(seconds=600)
@@ -327,30 +328,16 @@ def worker(rank: int, args: argparse.Namespace, port: int, out: str) -> None:
                 r.blocks.append(time.perf_counter() - start)
             if rank == 0 and (b + 1) % 5 == 0:
                 print(f"  block {b + 1}/{args.steps // args.block}", flush=True)
-        results = {r.name: r.result() for r in runs}
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(
-                    {
-                        "runs": results,
-                        "before": pooling_before(args),
-                        "after": after,
-                        "plan_a": {t: ps.ranks for t, ps in plan_a.plan[EBC].items()},
-                        "plan_oracle": {
-                            t: ps.ranks for t, ps in plan_oracle.plan[EBC].items()
-                        },
-                    },
-                    f,
-                )
-        dist.barrier()
+        results = {
+            "runs": {r.name: r.result() for r in runs},
+            "before": pooling_before(args),
+            "after": after,
+            "plan_a": {t: ps.ranks for t, ps in plan_a.plan[EBC].items()},
+            "plan_oracle": {t: ps.ranks for t, ps in plan_oracle.plan[EBC].items()},
+        }
+        gather_to_json(results, out, dist.group.WORLD)  # main reads rank 0's
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def summarise(args: argparse.Namespace, data: Dict[str, Any]) -> Dict[str, Any]:
@@ -485,7 +472,9 @@ def plot(args: argparse.Namespace, summary: Dict[str, Any], path: str) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[output_arguments()],
     )
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=2000)
@@ -501,7 +490,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-interval", type=int, default=50)
     p.add_argument("--horizon", type=int, default=1000)
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS))
-    p.add_argument("--out", default=os.path.join(RESULTS, "rebalance_benchmark"))
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
     unknown = set(args.runs) - set(RUNS)
@@ -529,7 +517,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     mp.spawn(worker, args=(args, free_port(), out_path), nprocs=2)
     with open(out_path) as f:
-        data = json.load(f)
+        data = json.load(f)[0]  # rank 0's
     os.unlink(out_path)
     summary = summarise(args, data)
     checks = targets(summary)
@@ -546,25 +534,22 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{name} decisions:")
             for line in summary[name]["history"]:
                 print("   ", line)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    plot(args, summary, args.out + ".png")
-    with open(args.out + ".json", "w") as f:
-        json.dump(
-            {
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                "args": vars(args),
-                "pooling_before": data["before"],
-                "pooling_after": data["after"],
-                "plan_a": data["plan_a"],
-                "plan_oracle": data["plan_oracle"],
-                "table": text,
-                "targets": checks,
-                "runs": summary,
-            },
-            f,
-            indent=1,
-        )
-    print(f"saved {args.out}.json and {args.out}.png")
+    save_results(
+        args.out_dir,
+        "rebalance_benchmark",
+        {
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+            "args": vars(args),
+            "pooling_before": data["before"],
+            "pooling_after": data["after"],
+            "plan_a": data["plan_a"],
+            "plan_oracle": data["plan_oracle"],
+            "table": text,
+            "targets": checks,
+            "runs": summary,
+        },
+        None if args.no_plot else lambda path: plot(args, summary, path),
+    )
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ and static slowest rank relative to the oracle at the end of each phase,
 windows from a shift until the rebalanced slowest rank is within 1.1x the
 oracle's, reshards, bytes per rank (busiest rank, per reshard), the
 predicted step time against the reference model's after each reshard, and
-the engine's per-rank planning time. ``benchmarks/results/`` keeps a table,
-a JSON file and a plot.
+the engine's per-rank planning time. ``--out-dir`` (default
+``benchmarks/results/``, the options of ``common.py``) keeps a table, a JSON
+file and, but with ``--no-plot``, a plot.
 
 ``--zipf S`` (issue 34) runs instead the loads that need splits: every
 table starts whole (table-wise), placed for a uniform load; then the ids
@@ -67,8 +68,6 @@ the decision's CPU time per window with splits (median, max).
 import argparse
 import gc
 import heapq
-import json
-import os
 import random
 import statistics
 import sys
@@ -76,7 +75,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from common import fmt, output_arguments, save_results
+
+NAME = "rebalance_scale_benchmark"  # of its results in --out-dir
 PATH = "ebc"
 ELEMENT_BYTES = 8  # fp32 weights + one optimizer value per element
 LOCAL_BATCH = 512
@@ -524,12 +525,26 @@ def zipf_main(args: argparse.Namespace) -> None:
     print(text)
     worst = max(max(r["splits_cpu_ms"]) for r in rows)
     print(f"worst decision per window (CPU, with splits): {worst:.1f} ms")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + "_zipf.txt", "w") as f:
+    stem = save_results(
+        args.out_dir, NAME + "_zipf", {"args": vars(args), "cases": rows}
+    )
+    save_text(stem, text)
+
+
+def save_text(stem: str, text: str) -> None:
+    """
+    Writes a run's table beside its results, to ``stem.txt``; says so.
+
+    Args:
+        stem (str): the results' path without its extension.
+        text (str): the table.
+
+    Returns:
+        None
+    """
+    with open(stem + ".txt", "w") as f:
         f.write(text + "\n")
-    with open(args.out + "_zipf.json", "w") as f:
-        json.dump({"args": vars(args), "cases": rows}, f, indent=1)
-    print(f"saved {args.out}_zipf.txt and .json")
+    print(f"wrote {stem}.txt")
 
 
 def fmt_phases(values: Sequence[float]) -> str:
@@ -551,7 +566,7 @@ def table(cases: Sequence[Case]) -> str:
             abs(r["predicted_step_s"] / r["model_step_s"] - 1.0) for r in c.reshards
         ]
         planning = [r["planning_ms"] for r in c.reshards]
-        react = "/".join("-" if r is None else str(r) for r in c.react)
+        react = "/".join(fmt(r, "d") for r in c.react)
         lines.append(
             f"{c.world:>5} {c.tables:>5} {c.trace:<9} "
             f"{statistics.median(c.decision_cpu_ms):>7.1f} {max(c.decision_cpu_ms):>6.1f} "
@@ -603,7 +618,9 @@ def plot(cases: Sequence[Case], path: str) -> None:
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        parents=[output_arguments()],
     )
     p.add_argument("--worlds", default="64,256,1024")
     p.add_argument("--tables", default="100,1000")
@@ -617,7 +634,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         default=None,
         help="run the split cases on a Zipf load of this exponent (>= 1)",
     )
-    p.add_argument("--out", default=os.path.join(RESULTS, "rebalance_scale_benchmark"))
     args = p.parse_args(argv)
     args.worlds = [int(x) for x in args.worlds.split(",")]
     args.tables = [int(x) for x in args.tables.split(",")]
@@ -656,20 +672,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                 f"{statistics.median(values):.1f} ms, max {max(values):.1f} ms "
                 "(target <= 50 ms): " + ("MET" if max(values) <= 50 else "NOT MET")
             )
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out + ".txt", "w") as f:
-        f.write(text + "\n")
-    with open(args.out + ".json", "w") as f:
-        json.dump(
-            {
-                "args": vars(args),
-                "cases": [c.__dict__ for c in cases],
-            },
-            f,
-            indent=1,
-        )
-    plot(cases, args.out + ".png")
-    print(f"saved {args.out}.txt, .json and .png")
+    stem = save_results(
+        args.out_dir,
+        NAME,
+        {"args": vars(args), "cases": [c.__dict__ for c in cases]},
+        None if args.no_plot else lambda path: plot(cases, path),
+    )
+    save_text(stem, text)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ use a switch interval of ``--switch-interval`` seconds (0.5: every
 participant blocks on the store long before), restored afterwards; pass
 0.005 to see Python's default. Real ranks share no GIL.
 
-Example::
+The rows also go to ``scale_agreement.json`` in ``--out-dir`` (default
+``benchmarks/results/``, the options of ``common.py``; no plot). Example::
 
     python benchmarks/scale_agreement.py --sizes 64,256,1024 --repeats 3
 """
@@ -65,6 +66,7 @@ from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+from common import MiB, output_arguments, save_results
 from torchrec.distributed.resharding.agreement import agree_on_store
 from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
 from torchrec.distributed.test_utils.store_participants import (
@@ -340,7 +342,7 @@ def measure_agreement(
 
 
 def _mib(nbytes: float) -> str:
-    return f"{nbytes / 2**20:9.2f}"
+    return f"{nbytes / MiB:9.2f}"
 
 
 def print_table(rows: List[Dict[str, float]]) -> None:
@@ -366,7 +368,9 @@ def print_table(rows: List[Dict[str, float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], parents=[output_arguments()]
+    )
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--today-max-n", type=int, default=TODAY_MAX_N)
@@ -396,6 +400,8 @@ def main() -> None:
         "got through the store, KiB/N = that per participant (flat = linear "
         "in N), max rt = store round trips of the busiest participant."
     )
+    # no plot: the table is the result
+    save_results(args.out_dir, "scale_agreement", {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -42,12 +42,14 @@ import sys
 import traceback
 import warnings
 from datetime import timedelta
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -66,24 +68,27 @@ from torchrec.distributed.resharding import (
     ReshardOptions,
     TransactionReport,
 )
-from torchrec.distributed.test_utils.reshard_model_utils import equal_tables_dlrm
-from torchrec.distributed.test_utils.reshard_utils import (
-    assert_optimizer_states_equal,
-    assert_state_dicts_equal,
-    global_optimizer_state,
-    global_weights,
-    load_global_state,
-    OPTIMIZERS,
-)
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingPlan
-from torchrec.models.dlrm import DLRMTrain
+from torchrec.models.dlrm import DLRM, DLRMTrain
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 EBC = "model.sparse_arch.embedding_bag_collection"
 DENSE_IN = 4
+OPTIMIZERS: Dict[str, EmbOptimType] = {
+    "sgd": EmbOptimType.EXACT_SGD,
+    "adagrad": EmbOptimType.EXACT_ADAGRAD,
+    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
+# A table's shard in its weight: first row, first column, rows, columns.
+Rect = Tuple[int, int, int, int]
+# The state gathered before the reshard: full weights by state-dict key, and
+# full fused optimizer state by (weight key, state name), as float64.
+FullState = Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor]]
 INT_OPTIONS: List[Tuple[str, int, str]] = [
     ("--world-size", 2, "ranks to spawn when not under torchrun"),
     ("--num-tables", 4, "embedding tables, at least 3"),
@@ -132,10 +137,26 @@ def say(msg: str) -> None:
 
 
 def build_dlrm(args: argparse.Namespace, device: torch.device) -> DLRMTrain:
-    """The DLRM on ``device`` ("meta" for the planner), the same on every rank."""
-    return equal_tables_dlrm(
-        args.num_tables, args.rows, args.dim, DENSE_IN, [8, 1], device
+    """
+    The DLRM on ``device`` ("meta" for the planner): ``--num-tables`` tables
+    ``t{i}`` of ``--rows`` x ``--dim``, one feature ``f{i}`` each. Seed 0
+    first, so that every rank builds the same weights.
+    """
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                name=f"t{i}",
+                feature_names=[f"f{i}"],
+                num_embeddings=args.rows,
+                embedding_dim=args.dim,
+            )
+            for i in range(args.num_tables)
+        ],
+        device=device,
     )
+    dlrm = DLRM(ebc, DENSE_IN, [args.dim], [8, 1], dense_device=device)
+    return DLRMTrain(dlrm)
 
 
 def shifted_ids(args: argparse.Namespace) -> Dict[str, float]:
@@ -283,11 +304,154 @@ def everywhere(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def sharded_pieces(
+    model: nn.Module,
+) -> Iterator[Tuple[Tuple[str, str], Tuple[int, int], Rect, torch.Tensor]]:
+    """
+    This rank's pieces of every sharded table, weights and fused optimizer
+    state alike: (name, the table's shape, the piece's rectangle in the table,
+    the local tensor). A weight is named (state-dict key, ""), its optimizer
+    state (state-dict key, state name). A row-wise state (one value per row of
+    a shard) is a piece of as many values as its rectangle has rows.
+
+    Args:
+        model (nn.Module): the sharded model.
+
+    Returns:
+        Iterator[Tuple[Tuple[str, str], Tuple[int, int], Rect, torch.Tensor]]:
+        the pieces.
+    """
+    for key, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for piece in value.local_shards():
+                rect = (*piece.metadata.shard_offsets, *piece.metadata.shard_sizes)
+                yield (key, ""), tuple(value.size()), rect, piece.tensor
+    optimizer = model.fused_optimizer
+    state = optimizer.state_dict()["state"]
+    for key, weight in optimizer.params.items():
+        if not isinstance(weight, ShardedTensor):
+            continue
+        rects = [
+            (*piece.metadata.shard_offsets, *piece.metadata.shard_sizes)
+            for piece in weight.local_shards()
+        ]
+        for name, value in state.get(key, {}).items():
+            if isinstance(value, ShardedTensor):
+                for rect, piece in zip(rects, value.local_shards()):
+                    yield (key, name), tuple(weight.size()), rect, piece.tensor
+
+
+def gather_state(model: nn.Module) -> FullState:
+    """
+    Every table's full weight and fused optimizer state, on every rank: each
+    rank writes its pieces into zeros, and a sum over the ranks assembles
+    them (each element has one owner). A row-wise state is spread over its
+    shard's columns, so that a shard of another width can take it back.
+
+    Args:
+        model (nn.Module): the sharded model.
+
+    Returns:
+        FullState: the weights (in their dtype; what is not sharded as it is)
+        and the optimizer state.
+    """
+    pieces = list(sharded_pieces(model))
+    shapes: List[Dict[Tuple[str, str], Tuple[int, int]]] = [{}] * dist.get_world_size()
+    # every rank sums every table, a rank without a piece of it too
+    dist.all_gather_object(shapes, {name: shape for name, shape, _, _ in pieces})
+    full = {
+        name: torch.zeros(shape, dtype=torch.float64)
+        for rank_shapes in shapes
+        for name, shape in rank_shapes.items()
+    }
+    for name, _, (row, col, rows, cols), tensor in pieces:
+        full[name][row : row + rows, col : col + cols] = tensor.reshape(rows, -1)
+    for name in sorted(full):
+        dist.all_reduce(full[name])
+    weights = {
+        key: (
+            full[(key, "")].to(value.metadata().tensor_properties.dtype)
+            if isinstance(value, ShardedTensor)
+            else value.detach().clone()
+        )
+        for key, value in model.state_dict().items()
+    }
+    return weights, {name: t for name, t in full.items() if name[1]}
+
+
+def load_state(model: nn.Module, state: FullState) -> None:
+    """
+    Loads what ``gather_state`` gathered into ``model``, sharded with any plan:
+    the weights through ``load_state_dict``, every local piece of the fused
+    optimizer state from its rectangle (a row-wise state takes the mean of
+    its rows).
+
+    Args:
+        model (nn.Module): the sharded model.
+        state (FullState): the weights and the optimizer state.
+
+    Returns:
+        None
+    """
+    weights, optimizer_state = state
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        for name, _, (row, col, rows, cols), tensor in sharded_pieces(model):
+            if name in optimizer_state:
+                values = optimizer_state[name][row : row + rows, col : col + cols]
+                if tensor.numel() == rows:
+                    values = values.mean(dim=1)
+                tensor.copy_(values.reshape(tensor.shape))
+
+
+def state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """
+    This rank's state of ``model``, labelled: its pieces of the tables'
+    weights and fused optimizer state (in order of name and rectangle), then
+    what its state dict holds unsharded (the dense part).
+
+    Args:
+        model (nn.Module): the sharded model.
+
+    Returns:
+        List[Tuple[str, torch.Tensor]]: (label, tensor) pairs.
+    """
+    pieces = sorted(sharded_pieces(model), key=lambda piece: (piece[0], piece[2]))
+    labelled = [
+        (f"{' '.join(filter(None, name))} at {rect}", tensor)
+        for name, _, rect, tensor in pieces
+    ]
+    for key, value in model.state_dict().items():
+        if not isinstance(value, ShardedTensor):
+            labelled.append((key, value))
+    return labelled
+
+
+def first_difference(a: nn.Module, b: nn.Module) -> str:
+    """
+    Where two models' states differ on this rank ("" where they hold the same
+    pieces, with the same dtypes and values, bit for bit).
+
+    Args:
+        a (nn.Module): the model.
+        b (nn.Module): the one it is compared with.
+
+    Returns:
+        str: the first difference, or "".
+    """
+    xs, ys = state_tensors(a), state_tensors(b)
+    if [label for label, _ in xs] != [label for label, _ in ys]:
+        return "the models hold other pieces of the tables"
+    for (label, x), (_, y) in zip(xs, ys):
+        if x.dtype != y.dtype or not torch.equal(x, y):
+            return f"{label} differs"
+    return ""
+
+
 def same_state(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
     """
     Whether ``a`` and ``b`` hold bit-identical weights and fused optimizer
-    state on every rank (the one shared oracle of the resharding tests); a
-    rank where they differ says how.
+    state on every rank; a rank where they differ says how.
 
     Args:
         a (nn.Module): the model.
@@ -297,14 +461,10 @@ def same_state(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
     Returns:
         bool: the same on every rank.
     """
-    try:
-        assert_state_dicts_equal(a.state_dict(), b.state_dict())
-        assert_optimizer_states_equal(a, b)
-        same = True
-    except AssertionError as e:
-        print(f"rank {dist.get_rank()}: state differs: {str(e)[:200]}", flush=True)
-        same = False
-    return everywhere(same, device)
+    difference = first_difference(a, b)
+    if difference:
+        print(f"rank {dist.get_rank()}: state differs: {difference[:200]}", flush=True)
+    return everywhere(not difference, device)
 
 
 def set_up(
@@ -339,7 +499,7 @@ def matches_reference(
     sharder: EmbeddingBagCollectionSharder,
     model: DistributedModelParallel,
     live_losses: List[torch.Tensor],
-    state: Tuple[Dict[str, torch.Tensor], Dict[Tuple[str, str], torch.Tensor]],
+    state: FullState,
     batches: List[Batch],
     device: torch.device,
 ) -> bool:
@@ -350,11 +510,10 @@ def matches_reference(
     every loss and the final weights and optimizer state are bit-identical.
     """
     reference, optimizer = build_model(args, sharder, model.plan, device)
-    weights, optimizer_state = state
     if args.perturb_reference:
-        table = weights[f"{EBC}.embedding_bags.t0.weight"]
+        table = state[0][f"{EBC}.embedding_bags.t0.weight"]
         table.copy_(torch.nextafter(table, table + 1))  # one ulp up, every row
-    load_global_state(reference, weights, optimizer_state)
+    load_state(reference, state)
     exact = True
     for step, (batch, live) in enumerate(zip(batches, live_losses), args.steps_before):
         optimizer.zero_grad()
@@ -401,8 +560,7 @@ def demo(args: argparse.Namespace, device: torch.device) -> int:
         )
 
     # Full weights and fused optimizer state, for the reference, right before.
-    weights = global_weights(model, dist.group.WORLD)
-    state = weights, global_optimizer_state(model, dist.group.WORLD)
+    state = gather_state(model)
     options = ReshardOptions(
         exchange_timeout=timedelta(seconds=args.timeout), progress=args.progress
     )
