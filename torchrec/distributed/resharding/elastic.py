@@ -62,14 +62,8 @@ from torchrec.distributed.resharding.elastic_plan import (
     validate_new_plan,
 )
 from torchrec.distributed.resharding.fields import table_key
-from torchrec.distributed.resharding.kept_grouping import (
-    batch_keys,
-    direct_output_order,
-    kept_runs,
-    KeptGrouping,
-    KeptRun,
-    run_facts,
-)
+from torchrec.distributed.resharding.kept_grouping import direct_output_order
+from torchrec.distributed.resharding.kept_step import KeptStorageStep
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     invalidate_caches,
@@ -90,7 +84,7 @@ from torchrec.distributed.resharding.model_view import (
     unsharded_definition,
 )
 from torchrec.distributed.resharding.optimizer_state import apply_table_facts
-from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
+from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardError, TableLayout
 from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import (
@@ -100,7 +94,6 @@ from torchrec.distributed.resharding.runner import (
     Slots,
     TransactionLayouts,
 )
-from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
@@ -222,11 +215,14 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
             device = model.device if model is not None else torch.device("cpu")
         self._device: torch.device = normalized_device(device)
         self._options: ReshardOptions = options or ReshardOptions()
-        self._runs: List[KeptRun] = []
+        self._kept: KeptStorageStep = KeptStorageStep.for_options(
+            self._options,
+            self._device,
+            normalized_device(model.device) if model is not None else None,
+        )
         self._agreed: Optional[AgreedMove] = None
         self._old: Dict[str, TableLayout] = {}
         self._new: Dict[str, TableLayout] = {}
-        self._hooks: Optional[KeptStorage] = None
         self._new_model: Optional[nn.Module] = None
         if model is not None:
             self.role = "stayed" if new_env is not None else "left"
@@ -291,7 +287,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         )
         facts.defined = tables_digest(defined)
         facts.defined_text = repr(defined)
-        if model is not None and self._may_keep_storage(model):
+        if model is not None and self._kept.reuse:
             old_ranks = dist.get_process_group_ranks(model._env.process_group)
             self._layouts(model.plan, defined, old_ranks, new_ranks)
             try:
@@ -303,18 +299,11 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
                     for path, m in sharded_modules(model.module).items()
                     for sharding_type, _, lookup in adapter_for(m).groups()
                 }
-                self._runs = kept_runs(groups, unchanged)
+                facts.kept_runs = self._kept.find_runs(groups, unchanged)
             except Exception:  # an optimisation only: copy every piece
                 logger.exception("model move: kept storage skipped")
-                self._runs = []
-            facts.kept_runs = run_facts(self._runs)
-
-    def _may_keep_storage(self, model: nn.Module) -> bool:
-        return (
-            self._options.storage == StorageMode.REUSE
-            and self._device == normalized_device(model.device)
-            and storage_reuse_supported(self._device)
-        )
+                self._kept.abort()
+                facts.kept_runs = {}
 
     def _layouts(
         self,
@@ -342,7 +331,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
             }
             for path in agreed.tables
         }
-        agreed.batch_keys = batch_keys(
+        agreed.batch_keys = KeptStorageStep.agree(
             [(i, f.kept_runs) for i, f in enumerate(facts) if f.kept_runs],
             placements,
             {},
@@ -380,13 +369,12 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
                 for lookup in adapter_for(m).lookups()
                 for b in batched_kernels(lookup)
             ]
-            if model is not None and self._runs
+            if model is not None and self._kept.has_runs
             else []
         )
         keys = agreed.batch_keys
-        self._hooks = KeptStorage(old_batched, self._runs, keys, reuse=bool(self._runs))
-        self._runs = []  # the hooks hold the old kernels until they release
-        grouping = KeptGrouping(
+        hooks, grouping = self._kept.build_hooks(
+            old_batched,
             keys,
             table_weights(self._definition, {p: list(t) for p, t in keys.items()}),
             # the plan is agreed: no gather, where it gives the same metadata
@@ -398,7 +386,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
             self._new_plan,
             self._sharders,
             self._device,
-            self._hooks,
+            hooks,
             grouping,
         )
         if dense_specs(dense_tensors(self._new_model.module)) != agreed.dense:
@@ -478,12 +466,11 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
     def commit(self) -> int:
         if self._model is not None:
             release_model(self._model)
-        hooks, new_model = self._hooks, self._new_model
-        self._hooks = None
-        if hooks is None or new_model is None:
+        new_model = self._new_model
+        if new_model is None:
+            self._kept.abort()
             return 0
-        modules = sharded_modules(new_model.module)
-        return hooks.release(list(modules.values()))
+        return self._kept.release(list(sharded_modules(new_model.module).values()))
 
     def abort(self) -> None:
         if self._new_model is not None:
@@ -491,8 +478,7 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         # the old model keeps its storage as it is: nothing of it is released
         self._new_model = None
         self.new_optimizer = None
-        self._hooks = None
-        self._runs = []
+        self._kept.abort()
 
     def device(self) -> torch.device:
         agreed = self._agreed

@@ -59,16 +59,12 @@ from torchrec.distributed.resharding.groups import (
 )
 from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.kept_grouping import (
-    batch_keys,
     direct_output_order,
-    kept_runs,
     KeptBatchKey,
-    KeptGrouping,
-    KeptRun,
     key_rebuilt_groups,
-    run_facts,
     user_batch_key,
 )
+from torchrec.distributed.resharding.kept_step import KeptStorageStep, RunFacts
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     invalidate_caches,
@@ -77,7 +73,7 @@ from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
 )
-from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
+from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     ReshardError,
@@ -95,7 +91,6 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.slots import keyed_slots
-from torchrec.distributed.resharding.storage import KeptStorage, storage_reuse_supported
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
@@ -113,8 +108,7 @@ class _ModuleReshard:
     tables: List[str]
     old_layouts: Dict[str, TableLayout]
     new_layouts: Dict[str, TableLayout]
-    runs: List[KeptRun] = field(default_factory=list)
-    hooks: Optional[KeptStorage] = None
+    kept: KeptStorageStep = field(default_factory=lambda: KeptStorageStep(False))
     groups: Optional[NewGroups] = None
     output_order: Optional[List[str]] = None
 
@@ -265,17 +259,11 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
             )
             for m in self._modules
         ]
-        runs: Dict[str, List[List[str]]] = {}
-        if self._keeps_storage():
-            for m in self._modules:
-                m.runs = _module_runs(m)
-            runs = run_facts([r for m in self._modules for r in m.runs])
+        runs: RunFacts = {}
+        for m in self._modules:
+            m.kept = KeptStorageStep.for_options(self._options, self._device)
+            runs.update(_find_module_runs(m))
         return _RankFacts(merge_table_facts(facts), runs)
-
-    def _keeps_storage(self) -> bool:
-        return self._options.storage == StorageMode.REUSE and storage_reuse_supported(
-            self._device
-        )
 
     def merge(self, facts: Sequence[_RankFacts]) -> _Decision:
         placements = {m.path: _placements(m, len(facts)) for m in self._modules}
@@ -287,7 +275,7 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
             }
             for m in self._modules
         }
-        keys = batch_keys(
+        keys = KeptStorageStep.agree(
             [(rank, f.runs) for rank, f in enumerate(facts) if f.runs],
             placements,
             user_keys,
@@ -330,19 +318,14 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
                 continue
             adapter = m.adapter
             keys = {m.path: self._decision.keys.get(m.path, {})}
-            m.hooks = KeptStorage(
+            hooks, grouping = m.kept.build_hooks(
                 old_kernels_of(adapter, m.rebuilt_types),
-                m.runs,
                 keys,
-                reuse=self._keeps_storage(),
-            )
-            m.runs = []  # the hooks hold the old kernels until they release
-            grouping = KeptGrouping(
-                keys, {m.path: {c.name: i.param for c, i in _configs_and_infos(m)}}
+                {m.path: {c.name: i.param for c, i in _configs_and_infos(m)}},
             )
             key_rebuilt_groups(m.infos, m.rebuilt_types, grouping)
             m.groups = build_groups(
-                adapter, m.infos, m.rebuilt_types, self._env, self._device, m.hooks
+                adapter, m.infos, m.rebuilt_types, self._env, self._device, hooks
             )
             check_built_layouts(m.groups, m.new_layouts, self._rank())
             if adapter.positional_output:
@@ -388,11 +371,10 @@ class ModuleReshard(Participant[_RankFacts, _Decision]):
 
     def abort(self) -> None:
         for m in self._modules:
-            m.runs = []
+            m.kept.abort()
             if m.groups is not None:
                 retire_kernels(m.groups.new_kernels())
             m.groups = None
-            m.hooks = None
 
     def device(self) -> torch.device:
         return self._device or torch.device("cpu")
@@ -412,17 +394,17 @@ def _configs_and_infos(
     ]
 
 
-def _module_runs(m: _ModuleReshard) -> List[KeptRun]:
+def _find_module_runs(m: _ModuleReshard) -> RunFacts:
     """This rank's runs of kept shards in the module's rebuilt groups."""
     if not m.rebuilt_types:
-        return []
+        return {}
     kept = {t for t in m.tables if t not in m.delta}
     groups = {
         (m.path, sharding_type): list(batched_kernels(lookup))
         for sharding_type, _, lookup in m.adapter.groups()
         if sharding_type in m.rebuilt_types
     }
-    return kept_runs(groups, {m.path: kept})
+    return m.kept.find_runs(groups, {m.path: kept})
 
 
 def _placements(
@@ -453,8 +435,8 @@ def _swap(module: _ModuleReshard) -> int:
     Installs a module's new groups, retires the old ones, frees memory; the
     bytes given back to the OS.
     """
-    groups, hooks = module.groups, module.hooks
-    assert groups is not None and hooks is not None
+    groups = module.groups
+    assert groups is not None and module.kept.hooks is not None
     adapter = module.adapter
     old_lookups = module.old_lookups()
     old_kernels = adapter.kernels(old_lookups)
@@ -464,8 +446,7 @@ def _swap(module: _ModuleReshard) -> int:
     # released: whatever else still references it is somebody else's.
     del old_lookups, old_kernels, groups
     module.groups = None
-    module.hooks = None
-    return hooks.release([adapter.module])
+    return module.kept.release([adapter.module])
 
 
 def reshard_module(
