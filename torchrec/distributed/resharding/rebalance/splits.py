@@ -9,15 +9,21 @@
 
 """
 Pure: splits of hot shards in the per-window search, for what moving whole
-shards cannot fix (a table hotter than the mean rank).
+shards cannot fix (a table hotter than the mean rank), and merges of shards
+that a rank is better without.
 
 After the moves (``search.search_moves``), while the slowest rank can be
 cut, a splittable shard on it is cut by columns: its left part stays, its
 right part, as wide as best evens the two ranks, goes to one of the least
 loaded ranks (the split that leaves the pair lowest wins). A table-wise
 table becomes column-wise with two shards, a column-wise one gets one shard
-more (``k`` shards become ``2k`` after ``k`` splits). The same
-rules as moves: never over a rank's memory, never two shards of a table on
+more (``k`` shards become ``2k`` after ``k`` splits). A shard on the
+slowest rank may instead be merged into the shard of its table next to it
+(the columns on either side) on another rank: the slowest rank sheds its
+columns and the fixed cost of a shard, the other takes the columns only,
+and the table has one shard fewer (column-wise still, with one shard
+spanning its columns when one is left). Each step takes the split or
+merge that leaves the pair of ranks lowest. The same rules as moves: never over a rank's memory, never two shards of a table on
 one rank, the bytes moved priced at ``byte_price`` seconds per step (a split
 that does not pay for its bytes is not made), within ``move_budget`` bytes
 per rank, ties to the lowest index (every rank finds the same splits). The
@@ -55,15 +61,17 @@ class SplitResult:
 
     Args:
         layouts (Dict[str, TableLayout]): table key -> its layout after the
-            splits (only tables split; shards by column).
+            splits and merges (only tables changed; shards by column).
         sharding_types (Dict[str, str]): table key -> its sharding type
-            after (column-wise for every table split).
+            after (column-wise for every table changed, a table merged
+            into one shard too: the user's constraints allow column-wise).
         loads (Tuple[float, ...]): per rank, the predicted load after.
         slowest_before (float): the slowest rank's load before.
         slowest_after (float): the same after the splits.
         rank_bytes (Tuple[int, ...]): per rank, bytes sent plus received
             (the moves' and the splits').
         splits (int): shards halved.
+        merges (int): shards merged into a neighbour.
     """
 
     layouts: Dict[str, TableLayout]
@@ -73,6 +81,7 @@ class SplitResult:
     slowest_after: float
     rank_bytes: Tuple[int, ...]
     splits: int
+    merges: int = 0
 
 
 def split_width(cols: int, align: int = ALIGN) -> Optional[int]:
@@ -164,6 +173,7 @@ class _Splits:
         self.low: List[Tuple[float, int]] = [(v, r) for r, v in enumerate(self.load)]
         heapq.heapify(self.low)
         self.split_tables: Set[int] = set()
+        self.merges = 0
 
     def slowest(self) -> int:
         high, load = self.high, self.load
@@ -234,6 +244,61 @@ class _Splits:
                         best = candidate
         return best
 
+    def best_merge(
+        self, s: int, ceiling: float
+    ) -> Optional[Tuple[float, int, int, int, int]]:
+        """(score, table, shard index, its neighbour's index, receiver) of the best merge."""
+        top = self.load[s]
+        best: Optional[Tuple[float, int, int, int, int]] = None
+        for t in sorted(self.on[s]):
+            per_col, fixed = self.per_col[t], self.fixed[t]
+            shards = self.shards[t]
+            for k, (rank, col, cols) in enumerate(shards):
+                if rank != s:
+                    continue
+                moved = per_col * cols
+                nbytes = int(self.bytes_per_col[t] * cols)
+                for j, (d, other_col, other_cols) in enumerate(shards):
+                    if other_col + other_cols != col and other_col != col + cols:
+                        continue  # not a neighbour
+                    after = self.load[d] + moved
+                    if after >= ceiling or top - moved - fixed >= ceiling:
+                        continue
+                    if self.used[d] + nbytes > self.capacity[d]:
+                        continue
+                    if self.move_budget is not None and (
+                        self.traffic[s] + nbytes > self.move_budget
+                        or self.traffic[d] + nbytes > self.move_budget
+                    ):
+                        continue
+                    score = max(top - moved - fixed, after) + self.byte_price * nbytes
+                    if score >= ceiling:
+                        continue
+                    candidate = (score, t, k, j, d)
+                    if best is None or candidate < best:
+                        best = candidate
+        return best
+
+    def merge(self, s: int, t: int, k: int, j: int, d: int) -> None:
+        """Merges shard ``k`` of table ``t`` (on ``s``) into its neighbour ``j`` on ``d``."""
+        shards = self.shards[t]
+        _, col, cols = shards[k]
+        _, other_col, other_cols = shards[j]
+        moved = self.per_col[t] * cols
+        nbytes = int(self.bytes_per_col[t] * cols)
+        shards[j] = [d, min(col, other_col), cols + other_cols]
+        del shards[k]
+        self.holders[t].discard(s)
+        self.on[s].discard(t)
+        self.used[s] -= nbytes
+        self.used[d] += nbytes
+        self.traffic[s] += nbytes
+        self.traffic[d] += nbytes
+        self.set_load(s, self.load[s] - moved - self.fixed[t])
+        self.set_load(d, self.load[d] + moved)
+        self.split_tables.add(t)
+        self.merges += 1
+
     def apply(self, s: int, t: int, k: int, d: int, left: int) -> None:
         rank, col, cols = self.shards[t][k]
         right = cols - left
@@ -253,19 +318,23 @@ class _Splits:
 
     def run(self, floor: float, min_cut: float, max_splits: int) -> int:
         splits = 0
-        while splits < max_splits:
+        while splits < max_splits and self.merges < max_splits:
             s = self.slowest()
             top = self.load[s]
             if top <= floor:
                 break
-            best = self.best_split(
-                s, self.least_loaded(RECEIVERS, s), top * (1.0 - min_cut)
-            )
-            if best is None:
+            ceiling = top * (1.0 - min_cut)
+            split = self.best_split(s, self.least_loaded(RECEIVERS, s), ceiling)
+            merge = self.best_merge(s, ceiling)
+            if merge is not None and (split is None or merge[0] < split[0]):
+                _, t, k, j, d = merge
+                self.merge(s, t, k, j, d)
+            elif split is not None:
+                _, t, k, d, left = split
+                self.apply(s, t, k, d, left)
+                splits += 1
+            else:
                 break
-            _, t, k, d, left = best
-            self.apply(s, t, k, d, left)
-            splits += 1
         return splits
 
     def layouts(self) -> Tuple[Dict[str, TableLayout], Dict[str, str]]:
@@ -299,8 +368,9 @@ def search_splits(
     fixed: Optional[Sequence[float]] = None,
 ) -> SplitResult:
     """
-    Halves hot shards (by columns) onto the least loaded ranks while that
-    cuts the slowest rank.
+    Halves hot shards (by columns) onto the least loaded ranks, or merges a
+    shard into its neighbour on another rank, while that cuts the slowest
+    rank.
 
     Args:
         placement (Placement): the placement before the window's moves.
@@ -318,7 +388,8 @@ def search_splits(
             (default: where it is).
         min_cut (float): the least relative cut of the slowest rank a split
             must make.
-        max_splits (Optional[int]): the most splits (default: one per rank).
+        max_splits (Optional[int]): the most splits, and the most merges
+            (default: one per rank).
         align (int): split widths are multiples of it.
         fixed (Optional[Sequence[float]]): per table of ``placement``, the
             load each of its shards adds whatever its width (default: none).
@@ -361,4 +432,5 @@ def search_splits(
         slowest_after=max(state.load, default=0.0),
         rank_bytes=tuple(state.traffic),
         splits=splits,
+        merges=state.merges,
     )

@@ -188,6 +188,102 @@ class FixedCostTest(unittest.TestCase):
             RebalancePolicy(lookup_columns=-1.0)
 
 
+class MergeTest(unittest.TestCase):
+    """
+    Three ranks: ``cw`` column-wise over ranks 0 and 1 (cold: 0.25 per column
+    and 4 fixed per shard), ``a`` table-wise on rank 1 (hot, not splittable),
+    ``b`` on rank 2. Rank 1 is the slowest (6 + 10): merging its ``cw`` shard
+    into rank 0's sheds 6 and adds 2 there; a split of it onto rank 2 would
+    shed a quarter and add the fixed cost there.
+    """
+
+    def _search(self, capacity: float = 1e12, price: float = 0.0):  # pyre-ignore
+        tables = [
+            _table("cw", "column_wise", [(0, 0, 8), (1, 8, 8)]),
+            _table("a", "table_wise", [(1, 0, DIM)]),
+            _table("b", "table_wise", [(2, 0, DIM)]),
+        ]
+        placement = placement_from_tables(tables, 3)
+        names = [t.name for t in placement.tables]
+        cost = {"cw": lambda work: 0.25 * work + 4.0, "a": lambda _: 10.0}
+        costs = [
+            cost.get(names[u.table], lambda _: 1.0)(u.work) for u in placement.units
+        ]
+        loads = [6.0, 16.0, 1.0]
+        return search_splits(
+            placement,
+            loads,
+            costs,
+            [capacity, 1e12, 1e12],
+            {"m:cw"},
+            byte_price=price,
+            fixed=[4.0 if name == "cw" else 0.0 for name in names],
+        )
+
+    def test_a_cold_shard_on_the_slowest_rank_merges_into_its_neighbour(
+        self,
+    ) -> None:
+        result = self._search()
+        self.assertEqual((result.merges, result.splits), (1, 0))
+        shards = result.layouts["m:cw"].shards
+        self.assertEqual(
+            [(s.rank, s.rect.col, s.rect.cols) for s in shards], [(0, 0, 16)]
+        )
+        self.assertEqual(result.sharding_types, {"m:cw": "column_wise"})
+        self.assertEqual(result.loads, (8.0, 10.0, 1.0))
+        nbytes = ROWS * 8 * BYTES
+        self.assertEqual(result.rank_bytes, (nbytes, nbytes, 0))
+        self.assertEqual(self._search(), result)  # the same on every rank
+
+    def test_memory_and_the_price_of_bytes_bound_merges(self) -> None:
+        # rank 0 has room for its own shard only: rank 1's shard cannot go
+        # there; half of it is split onto rank 2, the other half then merges
+        # into that piece (rank 1 sheds its shard, as a move of it would)
+        result = self._search(capacity=ROWS * 8 * BYTES + 1)
+        self.assertEqual((result.merges, result.splits), (1, 1))
+        self.assertEqual(
+            [(s.rank, s.rect.col, s.rect.cols) for s in result.layouts["m:cw"].shards],
+            [(0, 0, 8), (2, 8, 8)],
+        )
+        self.assertEqual(result.loads, (6.0, 10.0, 7.0))
+        nbytes = ROWS * 8 * BYTES
+        self.assertEqual(result.rank_bytes, (0, nbytes, nbytes))
+        result = self._search(price=1.0)
+        self.assertEqual((result.merges, result.splits, result.layouts), (0, 0, {}))
+
+    def test_the_merged_plan_is_valid_for_the_engine(self) -> None:
+        plan = hand_plan(
+            {"t0": ("column_wise", [0, 1]), "t1": ("table_wise", 1)}, 2, ROWS, DIM, 2
+        )
+        tables = {EBC_PATH: [("t0", ROWS, DIM), ("t1", ROWS, DIM)]}
+        element_bytes = {f"{EBC_PATH}:t0": BYTES, f"{EBC_PATH}:t1": BYTES}
+        placement = placement_of(plan, tables, element_bytes, 2)
+        t1 = [t.name for t in placement.tables].index("t1")
+        costs = [10.0 if u.table == t1 else 0.5 * u.work + 1.0 for u in placement.units]
+        loads = [0.0, 0.0]
+        for unit, cost in zip(placement.units, costs):
+            loads[unit.rank] += cost
+        result = search_splits(
+            placement,
+            loads,
+            costs,
+            [1e12] * 2,
+            {f"{EBC_PATH}:t0"},
+            fixed=[0.0 if i == t1 else 1.0 for i in range(2)],
+        )
+        self.assertEqual(result.merges, 1)
+        new = plan_with_layouts(
+            plan, placement, result.layouts, lambda r: "cpu", result.sharding_types
+        )
+        validate_new_plan(new, tables, 2, "cpu")
+        t0 = new.plan[EBC_PATH]["t0"]  # pyre-ignore[16]
+        self.assertEqual((t0.sharding_type, t0.ranks), ("column_wise", [0]))
+        self.assertEqual(
+            plan_layouts(new, tables, [0, 1])[f"{EBC_PATH}:t0"],
+            result.layouts[f"{EBC_PATH}:t0"],
+        )
+
+
 class SplitPlanTest(unittest.TestCase):
     def test_the_split_plan_is_valid_for_the_engine(self) -> None:
         plan = hand_plan(
