@@ -57,7 +57,9 @@ class ReshardOptions:
         exchange_groups (Optional[ExchangeGroups]): where this rank keeps the
             exchange groups it connected, for the next transactions of the
             same ranks (one object for the job's life: NCCL then connects
-            each set of ranks once); None: a group per transaction.
+            each set of ranks once); None: those the transaction's
+            ``ShardingEnv`` keeps (``exchange_groups.kept_exchange_groups``),
+            or, for a transaction without one, a group of its own.
     """
 
     max_inflight_bytes: Optional[int] = None

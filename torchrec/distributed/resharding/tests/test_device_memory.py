@@ -252,8 +252,16 @@ class EstimateByPlacementTest(unittest.TestCase):
             mock.patch(
                 "torch.cuda.mem_get_info", autospec=True, return_value=(100, 900)
             ),
-            mock.patch("torch.cuda.memory_reserved", autospec=True, return_value=70),
-            mock.patch("torch.cuda.memory_allocated", autospec=True, return_value=50),
+            mock.patch(
+                "torch.cuda.memory_reserved",
+                autospec=True,
+                return_value=70,
+            ),
+            mock.patch(
+                "torch.cuda.memory_allocated",
+                autospec=True,
+                return_value=50,
+            ),
         ):
             self.assertEqual(free_device_bytes(CUDA0), 120)
         self.assertIsNone(free_device_bytes(torch.device("cpu")))
@@ -287,10 +295,12 @@ class PreflightTest(unittest.TestCase):
         with (
             single_rank_process_group(),
             mock.patch(
-                "torch.cuda.mem_get_info", return_value=(free, 2 * free)
+                "torch.cuda.mem_get_info", autospec=True, return_value=(free, 2 * free)
             ) as mem_get_info,
-            mock.patch("torch.cuda.max_memory_allocated", return_value=0),
-            mock.patch("torch.cuda.memory_allocated", return_value=0),
+            mock.patch(
+                "torch.cuda.max_memory_allocated", autospec=True, return_value=0
+            ),
+            mock.patch("torch.cuda.memory_allocated", autospec=True, return_value=0),
         ):
             participant = CopyParticipant(calls, device=CUDA0)
             with self.assertRaisesRegex(
@@ -315,9 +325,15 @@ class MemoryWatchTest(unittest.TestCase):
     def test_cuda_peak_is_read_never_reset(self) -> None:
         allocated = [100, 300, 200]
         with (
-            mock.patch("torch.cuda.max_memory_allocated", side_effect=[1000, 1000]),
-            mock.patch("torch.cuda.memory_allocated", side_effect=allocated),
-            mock.patch("torch.cuda.reset_peak_memory_stats") as reset,
+            mock.patch(
+                "torch.cuda.max_memory_allocated",
+                autospec=True,
+                side_effect=[1000, 1000],
+            ),
+            mock.patch(
+                "torch.cuda.memory_allocated", autospec=True, side_effect=allocated
+            ),
+            mock.patch("torch.cuda.reset_peak_memory_stats", autospec=True) as reset,
         ):
             watch = MemoryWatch(CUDA0)
             watch.sample()
@@ -326,8 +342,12 @@ class MemoryWatchTest(unittest.TestCase):
             # transaction's phases held
             self.assertEqual(watch.peak(), 300)
         with (
-            mock.patch("torch.cuda.max_memory_allocated", side_effect=[1000, 1600]),
-            mock.patch("torch.cuda.memory_allocated", return_value=100),
+            mock.patch(
+                "torch.cuda.max_memory_allocated",
+                autospec=True,
+                side_effect=[1000, 1600],
+            ),
+            mock.patch("torch.cuda.memory_allocated", autospec=True, return_value=100),
         ):
             watch = MemoryWatch(CUDA0)
             self.assertEqual(watch.peak(), 1600)

@@ -317,16 +317,22 @@ def _cuda_memory_of_a_machine_without_cuda() -> Any:
     """torch.cuda's memory figures, for a participant on a GPU this host lacks."""
     stack = contextlib.ExitStack()
     stack.enter_context(
-        mock.patch("torch.cuda.mem_get_info", return_value=(2**40, 2**40))
+        mock.patch(
+            "torch.cuda.mem_get_info", autospec=True, return_value=(2**40, 2**40)
+        )
     )
-    stack.enter_context(mock.patch("torch.cuda.memory_allocated", return_value=0))
-    stack.enter_context(mock.patch("torch.cuda.max_memory_allocated", return_value=0))
+    stack.enter_context(
+        mock.patch("torch.cuda.memory_allocated", autospec=True, return_value=0)
+    )
+    stack.enter_context(
+        mock.patch("torch.cuda.max_memory_allocated", autospec=True, return_value=0)
+    )
     return stack
 
 
 class DeviceTest(unittest.TestCase):
     def test_cuda_without_index_is_the_current_device(self) -> None:
-        with mock.patch("torch.cuda.current_device", return_value=3):
+        with mock.patch("torch.cuda.current_device", autospec=True, return_value=3):
             self.assertEqual(
                 normalized_device(torch.device("cuda")), torch.device("cuda", 3)
             )
@@ -336,7 +342,7 @@ class DeviceTest(unittest.TestCase):
         self.assertEqual(normalized_device(torch.device("cpu")), torch.device("cpu"))
 
     def test_only_a_cuda_device_is_synchronised(self) -> None:
-        with mock.patch("torch.cuda.synchronize") as sync:
+        with mock.patch("torch.cuda.synchronize", autospec=True) as sync:
             synchronize_device(torch.device("cpu"))
             sync.assert_not_called()
             synchronize_device(torch.device("cuda", 2))
@@ -352,7 +358,7 @@ class DeviceTest(unittest.TestCase):
         options = ReshardOptions(exchange_groups=groups)
         with (
             single_rank_process_group(),
-            mock.patch("torch.cuda.current_device", return_value=1),
+            mock.patch("torch.cuda.current_device", autospec=True, return_value=1),
             mock.patch(
                 "torchrec.distributed.resharding.runner.synchronize_device",
                 side_effect=lambda d: calls.append(f"synchronize {d}"),

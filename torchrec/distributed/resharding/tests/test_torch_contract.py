@@ -127,6 +127,11 @@ CONTRACT: Dict[str, str] = {
     "PrefixStore's clone keeps its prefix): a thread's waits do not queue "
     "behind the training thread's",
     "torch.cuda.device_count": "() -> int; CPU build: 0",
+    "group.set_timeout": "ProcessGroup.set_timeout(timedelta) -> None: fault "
+    "tolerance bounds the training group's collectives (the user's group, gloo "
+    "or NCCL); the group goes on working",
+    "_group.abort": "ProcessGroup.abort() -> None: fault tolerance ends the "
+    "training group's kernels on NCCL only; gloo: no-op, the group still works",
     "os._exit": "(status) -> never returns: ends the whole process from any "
     "thread, without the interpreter's teardown (the replan process's watcher "
     "thread, once its parent is gone; test_replan_process.py kills a parent)",
@@ -141,6 +146,21 @@ TORCHREC_PRIVATE: Set[str] = {
     "module._wrap_data_parallel_lookup",
     "sharding._shard",
 }
+
+# The fork's own objects whose methods share a name with c10d's lifecycle
+# calls (below), with the files that call them: an ExchangeGroup, a
+# Participant, a KeptStorageStep. The same call elsewhere may be torch's.
+OWN_LIFECYCLE_CALLS: Dict[str, Set[str]] = {
+    "participant.abort": {"runner.py"},
+    "group.abort": {"exchange_groups.py"},
+    "evicted.abort": {"exchange_groups.py"},
+    "kept.abort": {"transaction.py"},
+    "_kept.abort": {"elastic.py"},
+}
+
+# c10d's lifecycle methods, on any receiver: a ProcessGroup's or a
+# backend's, whatever the variable holding it is called
+_LIFECYCLE_METHODS = ("abort", "set_timeout", "shutdown")
 
 # receivers whose every method call is backend level
 _BACKEND_RECEIVERS = (
@@ -443,6 +463,21 @@ class BackendContractTest(unittest.TestCase):
             self.assertIn("shutdown", backend.calls)
             self.assertEqual(owned.all_reduce_max([2]), [2])
 
+    def test_a_training_groups_timeout_and_abort_return_none(self) -> None:
+        # what fault tolerance calls on the user's training group (a real
+        # gloo ProcessGroup): both return None and the group goes on working
+        with single_rank_process_group():
+            group = dist.new_group([0])
+            self.assertIsNone(group.set_timeout(timedelta(seconds=5)))
+            ones = torch.ones(2)
+            dist.all_reduce(ones, group=group)
+            self.assertTrue(torch.equal(ones, torch.ones(2)))
+            self.assertIsNone(group.abort())
+            dist.all_reduce(ones, group=group)  # gloo: abort does nothing
+            self.assertTrue(torch.equal(ones, torch.ones(2)))
+            with self.assertRaises(TypeError):
+                group.set_timeout(5)  # seconds as a number: the binding refuses
+
     def test_messages_and_collectives_return_works(self) -> None:
         with single_rank_process_group():
             group, backend = _gloo_group()
@@ -716,6 +751,16 @@ class CudaBuildSignatureTest(unittest.TestCase):
                 f"ProcessGroupNCCL.{name}{args} does not bind on the CUDA build",
             )
 
+    def test_the_training_groups_timeout_and_abort_bind(self) -> None:
+        # fault tolerance's calls on the training group, a ProcessGroup
+        bindings = cuda_bindings()
+        self.assertTrue(bindings.accepts("ProcessGroup", "set_timeout", (TIMEOUT,), {}))
+        self.assertFalse(bindings.accepts("ProcessGroup", "set_timeout", (5,), {}))
+        self.assertTrue(bindings.accepts("ProcessGroup", "abort", (), {}))
+        self.assertFalse(
+            bindings.accepts("ProcessGroup", "abort", (torch.device("cuda", 0),), {})
+        )
+
     def test_the_check_refuses_what_the_binding_refuses(self) -> None:
         bindings = cuda_bindings()
         device = torch.device("cuda", 0)
@@ -738,14 +783,19 @@ class SourceScanTest(unittest.TestCase):
             for match in _CALL.finditer(path.read_text()):
                 receiver, method = match.group(1), match.group(2)
                 private = method.startswith("_") and not method.startswith("__")
-                if receiver in _BACKEND_RECEIVERS or (
-                    private and receiver not in ("self", "cls")
+                lifecycle = method in _LIFECYCLE_METHODS and receiver != "self"
+                if (
+                    receiver in _BACKEND_RECEIVERS
+                    or lifecycle
+                    or (private and receiver not in ("self", "cls"))
                 ):
                     found.setdefault(f"{receiver}.{method}", set()).add(path.name)
         unknown = {
             call: sorted(files)
             for call, files in found.items()
-            if call not in CONTRACT and call not in TORCHREC_PRIVATE
+            if call not in CONTRACT
+            and call not in TORCHREC_PRIVATE
+            and not files <= OWN_LIFECYCLE_CALLS.get(call, set())
         }
         self.assertEqual(unknown, {}, "add these calls to the contract")
         self.assertGreater(len(found), 20)

@@ -18,13 +18,14 @@ and the maximum arrive exactly; a peer that never connects fails the
 connection with ReshardAbortedError within the timeout; kept groups
 (``ExchangeGroups``) serve the next exchange of the same ranks when every rank
 kept the same one, and ranks that kept different ones agree to connect anew.
-In one process: the order in which a rank posts a pair's messages.
+And the order in which a rank posts a pair's messages, recorded on a real
+gloo backend as its calls pass through.
 """
 
 import time
 import unittest
 from datetime import timedelta
-from typing import Any, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
+from torchrec.distributed.test_utils.transaction_doubles import RecordingBackend
 
 
 def _registry() -> Tuple[int, int, int]:
@@ -158,42 +160,67 @@ class ExchangeGroupTest(MultiRankTestBase):
         self.run_ranks(_run_missing_peer, world_size=2)
 
 
-class _Recorder:
-    """A backend that records the order of the point-to-point calls."""
+def _expected_order(me: int, size: int) -> List[Tuple[str, int, int]]:
+    """
+    The calls a rank makes for the messages ``_run_post_order`` posts: pair
+    by pair, in peer order; the lower rank of a pair sends first, the
+    higher receives first; each direction in tag order.
+    """
+    out: List[Tuple[str, int, int]] = []
+    for peer in range(size):
+        if peer == me:
+            continue
+        sends = [("send", peer, tag) for tag in range(2)]
+        recvs = [("recv", peer, tag) for tag in range(2)]
+        out += sends + recvs if me < peer else recvs + sends
+    return out
 
-    def __init__(self) -> None:
-        self.calls: List[Tuple[str, int, int]] = []
 
-    def send(self, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
-        self.calls.append(("send", peer, tag))
-
-    def recv(self, tensors: List[torch.Tensor], peer: int, tag: int) -> Any:
-        self.calls.append(("recv", peer, tag))
-
-
-class PostOrderTest(unittest.TestCase):
-    def test_lower_rank_of_a_pair_sends_first(self) -> None:
-        t = torch.zeros(1)
-        messages = [
-            Message(t, 0, 0, send=False),
-            Message(t, 2, 0, send=False),
-            Message(t, 2, 1, send=False),
-            Message(t, 0, 0, send=True),
-            Message(t, 2, 0, send=True),
-        ]
-        backend = _Recorder()
-        group = ExchangeGroup(backend, 1, 3, timedelta(seconds=1), torch.device("cpu"))
-        group.post(messages)
-        self.assertEqual(
-            backend.calls,
-            [
-                ("recv", 0, 0),  # rank 0 is lower: it sends first
-                ("send", 0, 0),
-                ("send", 2, 0),  # this rank is lower than 2: it sends first
-                ("recv", 2, 0),
-                ("recv", 2, 1),
-            ],
+def _run_post_order(rank: int, world_size: int, port: str) -> None:
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
+        ranks = list(range(world_size))
+        real = open_exchange_group(ranks, "order", timedelta(seconds=30))
+        # the real gloo backend, its calls recorded on the way through
+        backend = RecordingBackend(real.backend, [])
+        group = ExchangeGroup(
+            backend,
+            real.rank,
+            real.size,
+            real.timeout,
+            real.device,
+            owned=True,
+            name=real.name,
         )
+        me = group.rank
+        messages, received = [], []
+        for peer in range(world_size):  # every receive posted before any send
+            if peer != me:
+                for tag in range(2):
+                    buffer = torch.empty(2)
+                    received.append((peer, tag, buffer))
+                    messages.append(Message(buffer, peer, tag, send=False))
+        for peer in range(world_size):
+            if peer != me:
+                for tag in range(2):
+                    value = torch.full((2,), float(me * 10 + tag))
+                    messages.append(Message(value, peer, tag, send=True))
+        group.wait(group.post(messages))
+        for peer, tag, buffer in received:
+            assert torch.equal(buffer, torch.full((2,), float(peer * 10 + tag)))
+        order = [
+            (name, args[1], args[2])
+            for name, args, _ in backend.log
+            if name in ("send", "recv")
+        ]
+        assert order == _expected_order(me, world_size), (me, order)
+        group.close()
+        dist.barrier()
+
+
+class PostOrderTest(MultiRankTestBase):
+    def test_lower_rank_of_a_pair_sends_first(self) -> None:
+        # the real backend's calls, recorded as they pass through
+        self.run_ranks(_run_post_order, world_size=4)
 
 
 if __name__ == "__main__":
