@@ -408,7 +408,8 @@ def state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """
     This rank's state of ``model``, labelled: its pieces of the tables'
     weights and fused optimizer state (in order of name and rectangle), then
-    what its state dict holds unsharded (the dense part).
+    what its state dict holds unsharded (the dense part), then each table's
+    learning rate.
 
     Args:
         model (nn.Module): the sharded model.
@@ -424,6 +425,15 @@ def state_tensors(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     for key, value in model.state_dict().items():
         if not isinstance(value, ShardedTensor):
             labelled.append((key, value))
+    # each table's learning rate, whichever kernel group it is in now
+    optimizer = model.fused_optimizer
+    rates = {}
+    for key, param in optimizer.params.items():
+        for group in optimizer.param_groups:
+            if any(param is p for p in group["params"]):
+                rates[key] = float(group["lr"])
+    for key in sorted(rates):
+        labelled.append((f"{key} learning rate", torch.tensor(rates[key])))
     return labelled
 
 
