@@ -10,8 +10,8 @@
 """
 Draining a host of a running job, across two torchrun nodes.
 
-The scenario of ``test_elastic_two_nodes.py`` and of
-``examples/drain_node_demo.py`` (``scripts/drain_demo.sh``), written once:
+The scenario of ``test_elastic_two_nodes.py`` (``examples/drain_node_demo.py``,
+``scripts/drain_demo.sh``, tells the same story with the public API only):
 
 - :func:`launch_two_nodes` starts two torchrun agents on this machine as two
   nodes (``--nnodes 2 --nproc-per-node 2``, c10d rendezvous on the loopback
