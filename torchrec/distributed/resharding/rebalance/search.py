@@ -90,50 +90,32 @@ def lower_bound(
     return max(mean, max(fixed, default=0.0), biggest + min(fixed, default=0.0))
 
 
-class _Search:
-    """The search's mutable state; ``run`` does the work."""
+class LoadHeaps:
+    """
+    Per rank loads with the slowest rank and the least loaded ones at hand
+    (two heaps with lazy deletion), for the searches that cut the slowest
+    rank step by step.
 
-    def __init__(
-        self,
-        loads: Sequence[float],
-        units: Sequence[ShardUnit],
-        costs: Sequence[float],
-        capacity: Sequence[float],
-        byte_price: float,
-        move_budget: Optional[int],
-        min_cut: float,
-    ) -> None:
-        world_size = len(loads)
-        self.units = units
-        self.costs = costs
-        self.capacity = capacity
-        self.byte_price = byte_price
-        self.move_budget = move_budget
-        self.min_cut = min_cut
+    Args:
+        loads (Sequence[float]): per rank, its load.
+    """
+
+    def __init__(self, loads: Sequence[float]) -> None:
         self.load: List[float] = [float(v) for v in loads]
-        self.used: List[int] = [0] * world_size
-        self.on: List[List[int]] = [[] for _ in range(world_size)]
-        self.where: List[int] = [u.rank for u in units]
-        self.holders: Dict[int, Dict[int, int]] = {}
-        self.traffic: List[int] = [0] * world_size
-        for i, unit in enumerate(units):
-            self.used[unit.rank] += unit.nbytes
-            ranks = self.holders.setdefault(unit.table, {})
-            ranks[unit.rank] = ranks.get(unit.rank, 0) + 1
-            if unit.movable and costs[i] > 0:
-                self.on[unit.rank].append(i)
         self.high: List[Tuple[float, int]] = [(-v, r) for r, v in enumerate(self.load)]
         self.low: List[Tuple[float, int]] = [(v, r) for r, v in enumerate(self.load)]
         heapq.heapify(self.high)
         heapq.heapify(self.low)
 
     def slowest(self) -> int:
+        """The rank with the largest load (the lowest index among equals)."""
         high, load = self.high, self.load
         while -high[0][0] != load[high[0][1]]:
             heapq.heappop(high)
         return high[0][1]
 
     def least_loaded(self, count: int, skip: int) -> List[int]:
+        """Up to ``count`` ranks of the smallest loads, ``skip`` left out."""
         low, load = self.low, self.load
         out: List[int] = []
         kept: List[Tuple[float, int]] = []
@@ -151,9 +133,44 @@ class _Search:
         return out
 
     def set_load(self, rank: int, value: float) -> None:
+        """Sets a rank's load."""
         self.load[rank] = value
         heapq.heappush(self.high, (-value, rank))
         heapq.heappush(self.low, (value, rank))
+
+
+class _Search(LoadHeaps):
+    """The search's mutable state; ``run`` does the work."""
+
+    def __init__(
+        self,
+        loads: Sequence[float],
+        units: Sequence[ShardUnit],
+        costs: Sequence[float],
+        capacity: Sequence[float],
+        byte_price: float,
+        move_budget: Optional[int],
+        min_cut: float,
+    ) -> None:
+        super().__init__(loads)
+        world_size = len(loads)
+        self.units = units
+        self.costs = costs
+        self.capacity = capacity
+        self.byte_price = byte_price
+        self.move_budget = move_budget
+        self.min_cut = min_cut
+        self.used: List[int] = [0] * world_size
+        self.on: List[List[int]] = [[] for _ in range(world_size)]
+        self.where: List[int] = [u.rank for u in units]
+        self.holders: Dict[int, Dict[int, int]] = {}
+        self.traffic: List[int] = [0] * world_size
+        for i, unit in enumerate(units):
+            self.used[unit.rank] += unit.nbytes
+            ranks = self.holders.setdefault(unit.table, {})
+            ranks[unit.rank] = ranks.get(unit.rank, 0) + 1
+            if unit.movable and costs[i] > 0:
+                self.on[unit.rank].append(i)
 
     def fits(self, i: int, dst: int, freed: int = 0) -> bool:
         unit = self.units[i]

@@ -37,12 +37,12 @@ table's fixed cost per shard (``fixed``: every shard reads every id of the
 table, whatever its width), which the receiver of a piece pays anew.
 """
 
-import heapq
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Dict, List, Optional, Sequence, Set, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.placement import Placement
+from torchrec.distributed.resharding.rebalance.search import LoadHeaps
 from torchrec.distributed.types import ShardingType
 
 ALIGN: int = 4  # a split shard's width is a multiple of this
@@ -106,7 +106,7 @@ def cut_width(cols: int, gap_cols: float, align: int = ALIGN) -> int:
     return max(1, min(blocks, cols // align - 1)) * align
 
 
-class _Splits:
+class _Splits(LoadHeaps):
     """The split search's mutable state; ``run`` does the work."""
 
     def __init__(
@@ -123,13 +123,13 @@ class _Splits:
         where: Sequence[int],
         fixed: Sequence[float],
     ) -> None:
+        super().__init__(loads)
         world_size = placement.world_size
         self.placement = placement
         self.capacity = capacity
         self.byte_price = byte_price
         self.move_budget = move_budget
         self.align = align
-        self.load: List[float] = [float(v) for v in loads]
         self.used: List[int] = [0] * world_size
         self.traffic: List[int] = list(traffic)
         # per table: its shards as [rank, col, cols], its cost per column,
@@ -168,40 +168,24 @@ class _Splits:
                 self.per_col[unit.table] += (
                     cost - self.fixed[unit.table]
                 ) / placement.tables[unit.table].layout.cols
-        self.high: List[Tuple[float, int]] = [(-v, r) for r, v in enumerate(self.load)]
-        heapq.heapify(self.high)
-        self.low: List[Tuple[float, int]] = [(v, r) for r, v in enumerate(self.load)]
-        heapq.heapify(self.low)
         self.split_tables: Set[int] = set()
         self.merges = 0
 
-    def slowest(self) -> int:
-        high, load = self.high, self.load
-        while -high[0][0] != load[high[0][1]]:
-            heapq.heappop(high)
-        return high[0][1]
+    def room(self, s: int, d: int, nbytes: int) -> bool:
+        """Whether ``d`` can take ``nbytes`` more within memory and the move budget."""
+        if self.used[d] + nbytes > self.capacity[d]:
+            return False
+        budget = self.move_budget
+        return budget is None or (
+            self.traffic[s] + nbytes <= budget and self.traffic[d] + nbytes <= budget
+        )
 
-    def least_loaded(self, count: int, skip: int) -> List[int]:
-        low, load = self.low, self.load
-        out: List[int] = []
-        kept: List[Tuple[float, int]] = []
-        seen: Set[int] = set()
-        while low and len(out) < count:
-            value, rank = heapq.heappop(low)
-            if value != load[rank] or rank in seen:
-                continue
-            seen.add(rank)
-            kept.append((value, rank))
-            if rank != skip:
-                out.append(rank)
-        for entry in kept:
-            heapq.heappush(low, entry)
-        return out
-
-    def set_load(self, rank: int, value: float) -> None:
-        self.load[rank] = value
-        heapq.heappush(self.high, (-value, rank))
-        heapq.heappush(self.low, (value, rank))
+    def send(self, s: int, d: int, nbytes: int) -> None:
+        """Books ``nbytes`` of table state going from ``s`` to ``d``."""
+        self.used[s] -= nbytes
+        self.used[d] += nbytes
+        self.traffic[s] += nbytes
+        self.traffic[d] += nbytes
 
     def best_split(
         self, s: int, receivers: Sequence[int], ceiling: float
@@ -229,12 +213,7 @@ class _Splits:
                     nbytes = int(self.bytes_per_col[t] * right)
                     if after >= ceiling or top - moved >= ceiling:
                         continue
-                    if self.used[d] + nbytes > self.capacity[d]:
-                        continue
-                    if self.move_budget is not None and (
-                        self.traffic[s] + nbytes > self.move_budget
-                        or self.traffic[d] + nbytes > self.move_budget
-                    ):
+                    if not self.room(s, d, nbytes):
                         continue
                     score = max(top - moved, after) + self.byte_price * nbytes
                     if score >= ceiling:
@@ -264,12 +243,7 @@ class _Splits:
                     after = self.load[d] + moved
                     if after >= ceiling or top - moved - fixed >= ceiling:
                         continue
-                    if self.used[d] + nbytes > self.capacity[d]:
-                        continue
-                    if self.move_budget is not None and (
-                        self.traffic[s] + nbytes > self.move_budget
-                        or self.traffic[d] + nbytes > self.move_budget
-                    ):
+                    if not self.room(s, d, nbytes):
                         continue
                     score = max(top - moved - fixed, after) + self.byte_price * nbytes
                     if score >= ceiling:
@@ -290,10 +264,7 @@ class _Splits:
         del shards[k]
         self.holders[t].discard(s)
         self.on[s].discard(t)
-        self.used[s] -= nbytes
-        self.used[d] += nbytes
-        self.traffic[s] += nbytes
-        self.traffic[d] += nbytes
+        self.send(s, d, nbytes)
         self.set_load(s, self.load[s] - moved - self.fixed[t])
         self.set_load(d, self.load[d] + moved)
         self.split_tables.add(t)
@@ -308,10 +279,7 @@ class _Splits:
         self.shards[t].append([d, col + left, right])
         self.holders[t].add(d)
         self.on[d].add(t)
-        self.used[s] -= nbytes
-        self.used[d] += nbytes
-        self.traffic[s] += nbytes
-        self.traffic[d] += nbytes
+        self.send(s, d, nbytes)
         self.set_load(s, self.load[s] - moved)
         self.set_load(d, self.load[d] + moved + self.fixed[t])
         self.split_tables.add(t)
