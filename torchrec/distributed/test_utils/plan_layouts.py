@@ -255,7 +255,7 @@ def table_layouts(
 
 
 @dataclass(frozen=True)
-class ReshardScenario:
+class LayoutScenario:
     """
     Old and new layouts of some tables, in one rank numbering.
 
@@ -273,13 +273,13 @@ class ReshardScenario:
 
 
 @st.composite
-def reshard_scenarios(
+def layout_scenarios(
     draw: st.DrawFn,
     max_world_size: int = 16,
     max_tables: int = 3,
     max_rows: int = 40,
     max_cols: int = 24,
-) -> ReshardScenario:
+) -> LayoutScenario:
     """
     Args:
         max_world_size (int): largest old and new group (each drawn from 1).
@@ -288,7 +288,7 @@ def reshard_scenarios(
         max_cols (int): most columns per table.
 
     Returns:
-        ReshardScenario: tables of any kinds before and after; the old and new
+        LayoutScenario: tables of any kinds before and after; the old and new
         groups differ in size (growing or shrinking) and, half of the time,
         are numbered into the ranks of an elastic move: both groups placed on
         random ranks of a union, in random order.
@@ -313,7 +313,7 @@ def reshard_scenarios(
         old_layouts[name] = old.remap_ranks(dict(enumerate(old_ranks)))
         new_layouts[name] = new.remap_ranks(dict(enumerate(new_ranks)))
     tables = draw(st.permutations(names))
-    return ReshardScenario(old_layouts, new_layouts, list(tables), union)
+    return LayoutScenario(old_layouts, new_layouts, list(tables), union)
 
 
 def reference_table_transfers(

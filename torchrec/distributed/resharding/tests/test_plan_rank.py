@@ -42,9 +42,9 @@ from torchrec.distributed.resharding.transfer_plan import (
 from torchrec.distributed.test_utils.plan_layouts import (
     LAYOUT_KINDS,
     layout_of,
+    layout_scenarios,
+    LayoutScenario,
     reference_plan,
-    reshard_scenarios,
-    ReshardScenario,
     table_layouts,
 )
 
@@ -121,7 +121,7 @@ class RankPlanChecks(unittest.TestCase):
         self.assertEqual(bytes_per_rank(old, new, costs, tables), (sent, received))
 
     def check_scenario(
-        self, scenario: ReshardScenario, costs: Mapping[str, PieceCost]
+        self, scenario: LayoutScenario, costs: Mapping[str, PieceCost]
     ) -> None:
         old, new, tables = scenario.old_layouts, scenario.new_layouts, scenario.tables
         plan = self.check_whole_plan(old, new, tables)
@@ -143,9 +143,9 @@ class PropertyTest(RankPlanChecks):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    @given(scenario=reshard_scenarios(), data=st.data())
+    @given(scenario=layout_scenarios(), data=st.data())
     def test_every_rank_and_bytes(
-        self, scenario: ReshardScenario, data: st.DataObject
+        self, scenario: LayoutScenario, data: st.DataObject
     ) -> None:
         costs = {
             name: data.draw(costs_strategy, label=f"{name} cost")
