@@ -61,6 +61,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     tables_digest,
     validate_new_plan,
 )
+from torchrec.distributed.resharding.exchange import broadcast_dense
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.kept_grouping import direct_output_order
 from torchrec.distributed.resharding.kept_step import KeptStorageStep
@@ -68,20 +69,21 @@ from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     invalidate_caches,
 )
+from torchrec.distributed.resharding.model_build import (
+    build_model,
+    release_model,
+    unsharded_definition,
+)
 from torchrec.distributed.resharding.model_view import (
     attached_to_pipeline,
-    broadcast_dense,
-    build_model,
     defined_tables,
     dense_tensors,
     model_env,
     model_facts,
-    release_model,
     sharded_lookups,
     sharded_modules,
     sharded_slots,
     table_weights,
-    unsharded_definition,
 )
 from torchrec.distributed.resharding.optimizer_state import apply_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions

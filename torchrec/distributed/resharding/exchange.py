@@ -33,12 +33,17 @@ most ``cap / peers`` bytes per round (``peers``: the most distinct peers any
 rank has, one small all-reduce), cutting pieces into row bands where needed,
 so that no rank holds more than the cap in buffers (where it needs any); a second all-reduce agrees
 on the number of rounds. Both sides of a pair cut its pieces alike.
+
+A move between groups of ranks also sends the model's dense (replicated)
+part from one rank of the old group to the new group: :func:`broadcast_dense`
+packs it into one buffer per dtype and broadcasts it on the same group.
 """
 
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
+from torchrec.distributed.resharding.elastic_plan import DenseSpec
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.memory import pinned_staging, release_buffer
 from torchrec.distributed.resharding.plan import Rect, Transfer
@@ -587,3 +592,37 @@ def execute_transfers(
         stats.pinned_bytes = wire.staging.pinned_bytes
         io.finish()
     return stats
+
+
+def broadcast_dense(
+    specs: Sequence[DenseSpec],
+    source: Optional[Mapping[str, torch.Tensor]],
+    target: Optional[Mapping[str, torch.Tensor]],
+    src: int,
+    group: ExchangeGroup,
+) -> int:
+    """
+    The dense tensors, from ``source`` on the group's rank ``src`` into
+    ``target`` (ranks of the new group; None elsewhere): one broadcast per
+    dtype of a buffer (on the group's device) that packs them.
+
+    Returns:
+        int: bytes broadcast.
+    """
+    total = 0
+    for dtype in sorted({s.dtype for s in specs}, key=str):
+        members = [s for s in specs if s.dtype == dtype]
+        sizes = [s.nbytes // dtype.itemsize for s in members]
+        if source is not None:
+            buffer = torch.cat(
+                [source[s.name].detach().reshape(-1).to(group.device) for s in members]
+            )
+        else:
+            buffer = torch.empty(sum(sizes), dtype=dtype, device=group.device)
+        group.broadcast(buffer, src)
+        total += buffer.numel() * buffer.element_size()
+        if target is not None:
+            with torch.no_grad():
+                for s, piece in zip(members, buffer.split(sizes)):
+                    target[s.name].copy_(piece.view(s.shape))
+    return total

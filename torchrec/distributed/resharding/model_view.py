@@ -8,31 +8,20 @@
 # pyre-strict
 
 """
-A ``DistributedModelParallel`` model as the moves between groups of ranks see
-it (``elastic``, ``unshard``, ``rebalance``): its env and sharders, its
-sharded modules and their tables, its dense (replicated) part, its shards as
-slots, the unsharded definition it was built from, and building and releasing
-a model whose every byte is moved in.
+A ``DistributedModelParallel`` model as the moves between groups of ranks read
+it (``elastic``, ``unshard``, ``rebalance``, ``fault``): its env and sharders,
+its sharded modules and their tables, its dense (replicated) part, its shards
+as slots, the facts a move agrees on. Reading only: building models is
+``model_build``'s, and the dense part travels with ``exchange.broadcast_dense``.
 """
 
-import contextlib
-import copy
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.batched_embedding_kernel import (
-    kernel_build_hooks,
-    KernelBuildHooks,
-)
-from torchrec.distributed.embedding_types import (
-    sharding_build_hooks,
-    ShardingBuildHooks,
-)
 from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
-    DenseSpec,
     MoveFacts,
     plan_digest,
     ranks_digest,
@@ -43,7 +32,6 @@ from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.optimizer_state import local_table_facts
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.slots import keyed_slots, LocalSlot, SlotKey
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
@@ -87,77 +75,6 @@ def sharded_tables(module: nn.Module) -> List[TableShape]:
     """The tables of a sharded embedding module."""
     adapter = adapter_for(module)
     return [(c.name, *adapter.table_shape(c.name)) for c in adapter.configs()]
-
-
-def plain_twin(module: nn.Module, device: torch.device) -> nn.Module:
-    """An unsharded module of the same tables as a sharded one."""
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-
-    if isinstance(module, ShardedEmbeddingCollection):
-        return EmbeddingCollection(
-            tables=copy.deepcopy(module._embedding_configs),
-            device=device,
-            need_indices=module._need_indices,
-        )
-    return EmbeddingBagCollection(
-        tables=copy.deepcopy(module._embedding_bag_configs),
-        is_weighted=module._is_weighted,
-        device=device,
-    )
-
-
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """A module of the same tables on the meta device (no weights)."""
-    from torchrec.distributed.embedding import ShardedEmbeddingCollection
-    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-
-    meta = torch.device("meta")
-    if isinstance(module, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
-        return plain_twin(module, meta)
-    if isinstance(module, EmbeddingCollection):
-        return EmbeddingCollection(
-            tables=copy.deepcopy(module.embedding_configs()),
-            device=meta,
-            need_indices=module.need_indices(),
-        )
-    return EmbeddingBagCollection(
-        tables=copy.deepcopy(module.embedding_bag_configs()),
-        is_weighted=module.is_weighted(),
-        device=meta,
-    )
-
-
-def meta_definition(root: nn.Module, paths: Sequence[str]) -> nn.Module:
-    """
-    The definition of a model on the meta device: the embedding modules at
-    ``paths`` (sharded or not) as unsharded ones of the same tables, the rest
-    copied. Building a ``DistributedModelParallel`` from it leaves ``root``
-    untouched (a model is sharded in place of the module it is built from).
-    """
-    embeddings = {path: root.get_submodule(path) for path in paths}
-    parents = {
-        path: (root.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2])
-        for path in paths
-    }
-    try:
-        for path, (parent, name) in parents.items():
-            setattr(parent, name, nn.Module())  # not copied: swapped back below
-        definition = copy.deepcopy(root).to("meta")
-    finally:
-        for path, (parent, name) in parents.items():
-            setattr(parent, name, embeddings[path])
-    for path, module in embeddings.items():
-        parent_path, _, name = path.rpartition(".")
-        setattr(definition.get_submodule(parent_path), name, _meta_twin(module))
-    return definition
-
-
-def unsharded_definition(model: nn.Module) -> nn.Module:
-    """
-    The definition of a sharded model on the meta device: its sharded modules
-    as unsharded ones of the same tables, the rest copied.
-    """
-    return meta_definition(model.module, list(sharded_modules(model.module)))
 
 
 def is_dense(name: str, sharded_paths: Sequence[str]) -> bool:
@@ -251,119 +168,6 @@ def defined_tables(
             )
         out[path] = plain_tables(module)
     return out
-
-
-def broadcast_dense(
-    specs: Sequence[DenseSpec],
-    source: Optional[Mapping[str, torch.Tensor]],
-    target: Optional[Mapping[str, torch.Tensor]],
-    src: int,
-    group: ExchangeGroup,
-) -> int:
-    """
-    The dense tensors, from ``source`` on the group's rank ``src`` into
-    ``target`` (ranks of the new group; None elsewhere): one broadcast per
-    dtype of a buffer (on the group's device) that packs them.
-
-    Returns:
-        int: bytes broadcast.
-    """
-    total = 0
-    for dtype in sorted({s.dtype for s in specs}, key=str):
-        members = [s for s in specs if s.dtype == dtype]
-        sizes = [s.nbytes // dtype.itemsize for s in members]
-        if source is not None:
-            buffer = torch.cat(
-                [source[s.name].detach().reshape(-1).to(group.device) for s in members]
-            )
-        else:
-            buffer = torch.empty(sum(sizes), dtype=dtype, device=group.device)
-        group.broadcast(buffer, src)
-        total += buffer.numel() * buffer.element_size()
-        if target is not None:
-            with torch.no_grad():
-                for s, piece in zip(members, buffer.split(sizes)):
-                    target[s.name].copy_(piece.view(s.shape))
-    return total
-
-
-def _no_init(weight: torch.Tensor) -> None:
-    """A table ``init_fn`` that leaves the weight as it is."""
-
-
-@contextlib.contextmanager
-def _tables_not_initialised(definition: nn.Module) -> Iterator[None]:
-    """
-    While a model is built from ``definition``, its tables' ``init_fn`` do
-    nothing, and are put back afterwards. A sharded module's
-    ``reset_parameters`` (called once it is built) initialises every local
-    shard with them; the kernel build hooks do not reach it, and every byte is
-    moved in afterwards.
-    """
-    configs: List[Any] = []
-    for module in definition.modules():
-        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
-            configs += plain_configs(module)
-    saved = [(config, config.init_fn) for config in configs]
-    try:
-        for config in configs:
-            config.init_fn = _no_init
-        yield
-    finally:
-        for config, init_fn in saved:
-            config.init_fn = init_fn
-
-
-def build_model(
-    definition: nn.Module,
-    env: ShardingEnv,
-    plan: ShardingPlan,
-    sharders: Optional[List[Any]],
-    device: torch.device,
-    hooks: KernelBuildHooks,
-    sharding_hooks: Optional[ShardingBuildHooks] = None,
-) -> nn.Module:
-    """
-    A ``DistributedModelParallel`` over ``env`` from an unsharded definition,
-    its tables uninitialised (every byte is moved in), its kernels built under
-    ``hooks`` and its sharded modules under ``sharding_hooks``.
-
-    Args:
-        definition (nn.Module): the unsharded model (its tables on any device).
-        env (ShardingEnv): the group the model is sharded over.
-        plan (ShardingPlan): its plan (copied).
-        sharders (Optional[List[Any]]): the sharders (None: TorchRec's).
-        device (torch.device): the model's device.
-        hooks (KernelBuildHooks): the kernel build hooks (e.g. none that
-            initialise: every byte is moved in).
-        sharding_hooks (Optional[ShardingBuildHooks]): the sharding build
-            hooks (default: TorchRec's defaults).
-
-    Returns:
-        nn.Module: the ``DistributedModelParallel``.
-    """
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-
-    sharding_hooks = (
-        sharding_hooks if sharding_hooks is not None else ShardingBuildHooks()
-    )
-    with (
-        kernel_build_hooks(hooks),
-        sharding_build_hooks(sharding_hooks),
-        _tables_not_initialised(definition),
-    ):
-        return DistributedModelParallel(
-            definition,
-            env=env,
-            device=device,
-            plan=copy.deepcopy(plan),
-            sharders=sharders,
-        )
-
-
-def release_model(model: nn.Module) -> None:
-    """Releases a model's kernels and groups (``DistributedModelParallel``)."""
-    model._release()
 
 
 def model_facts(model: nn.Module) -> MoveFacts:

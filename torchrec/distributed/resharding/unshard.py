@@ -39,22 +39,24 @@ from torchrec.distributed.resharding.elastic_plan import (
     validate_new_plan,
     whole_on,
 )
+from torchrec.distributed.resharding.exchange import broadcast_dense
 from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
 from torchrec.distributed.resharding.kernel_state import invalidate_caches
-from torchrec.distributed.resharding.model_view import (
-    broadcast_dense,
+from torchrec.distributed.resharding.model_build import (
     build_model,
+    meta_definition,
+    plain_twin,
+    release_model,
+)
+from torchrec.distributed.resharding.model_view import (
     defined_tables,
     dense_tensors,
     is_dense,
-    meta_definition,
     model_env,
     model_facts,
     plain_tables,
-    plain_twin,
     plain_weight,
     plain_weight_dtypes,
-    release_model,
     sharded_lookups,
     sharded_modules,
     sharded_slots,

@@ -39,11 +39,8 @@ from torchrec.distributed.resharding.fault.checkpoint import (
 from torchrec.distributed.resharding.fault.recovery import recover_model
 from torchrec.distributed.resharding.fault.recovery_plan import plan_for_survivors
 from torchrec.distributed.resharding.fault.sources import choose_sources, SourceFacts
-from torchrec.distributed.resharding.model_view import (
-    sharded_modules,
-    sharded_tables,
-    unsharded_definition,
-)
+from torchrec.distributed.resharding.model_build import unsharded_definition
+from torchrec.distributed.resharding.model_view import sharded_modules, sharded_tables
 from torchrec.distributed.test_utils.fault_worker import (
     assert_matches_direct,
     die,

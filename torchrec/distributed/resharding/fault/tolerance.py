@@ -85,11 +85,11 @@ from torchrec.distributed.resharding.fault.sources import (
     choose_sources,
     SourceFacts,
 )
+from torchrec.distributed.resharding.model_build import unsharded_definition
 from torchrec.distributed.resharding.model_view import (
     plain_weight_dtypes,
     sharded_modules,
     sharded_tables,
-    unsharded_definition,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan_validation import (

@@ -45,7 +45,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     TableShape,
 )
 from torchrec.distributed.resharding.model import plan_delta
-from torchrec.distributed.resharding.model_view import plain_twin
+from torchrec.distributed.resharding.model_build import plain_twin
 from torchrec.distributed.resharding.plan import Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.relabel import relabel_plan
@@ -72,7 +72,7 @@ def planning_definition(model: nn.Module) -> nn.Module:
     """
     What the planner plans for a ``DistributedModelParallel`` model: each of
     its sharded modules as an unsharded twin on the meta device
-    (``model_view.plain_twin``), at the module's path in the plan (nothing
+    (``model_build.plain_twin``), at the module's path in the plan (nothing
     of the dense part, which the planner does not place).
 
     Args:

@@ -36,8 +36,8 @@ from torchrec.distributed.resharding.elastic_plan import (
     exchange_device_type,
     validate_new_plan,
 )
+from torchrec.distributed.resharding.exchange import broadcast_dense
 from torchrec.distributed.resharding.memory import pinned_staging
-from torchrec.distributed.resharding.model_view import broadcast_dense
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.plan_validation import validate_parameter_sharding
 from torchrec.distributed.sharding.dynamic_sharding import _new_shard_device
