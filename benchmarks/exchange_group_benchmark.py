@@ -10,8 +10,8 @@
 """
 What connecting the exchange group costs per reshard: a small table-wise
 module is resharded back and forth (``--reshards`` times, after a warm-up),
-once with a new exchange group per reshard (a new ``ExchangeGroups`` in
-``ReshardOptions.exchange_groups`` each time, closed after it) and once the
+once with a new exchange group per reshard (a new ``ExchangeGroups`` that
+``keep_exchange_groups`` gives the env each time, closed after it) and once the
 default way, where the module's ``ShardingEnv`` keeps the group across the
 reshards (``exchange_groups.kept_exchange_groups``).
 Each reshard's report gives the seconds spent connecting the group
@@ -42,8 +42,8 @@ MODES = ("per_reshard", "kept")
 def _run_mode(mode: str, args: argparse.Namespace, env: Any, device: Any) -> Dict:
     from torchrec.distributed.resharding import (
         ExchangeGroups,
+        keep_exchange_groups,
         reshard_module,
-        ReshardOptions,
     )
 
     ws = dist.get_world_size()
@@ -56,11 +56,14 @@ def _run_mode(mode: str, args: argparse.Namespace, env: Any, device: Any) -> Dic
     for rep in range(args.warmup + args.reshards):
         target = 1 - current
         delta = {t: ps for t, ps in plans[target].items() if plans[current][t] != ps}
-        # per reshard: groups of its own, closed after it; kept: the env's
-        groups = ExchangeGroups() if mode == "per_reshard" else None
+        # per reshard: new groups for the env, closed after it; kept: the env's
+        groups = (
+            keep_exchange_groups(env, ExchangeGroups())
+            if mode == "per_reshard"
+            else None
+        )
         dist.barrier()
-        options = ReshardOptions(exchange_groups=groups)
-        report = reshard_module(module, delta, env, device, options)
+        report = reshard_module(module, delta, env, device)
         connections += report.connect_seconds > 0
         if groups is not None:
             groups.close(graceful=True)

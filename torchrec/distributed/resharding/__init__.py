@@ -25,7 +25,11 @@ from torchrec.distributed.resharding.elastic import (  # noqa
     move_model,
     MovedModel,
 )
-from torchrec.distributed.resharding.exchange_groups import ExchangeGroups  # noqa
+from torchrec.distributed.resharding.exchange_groups import (  # noqa
+    ExchangeGroups,
+    keep_exchange_groups,
+    kept_exchange_groups,
+)
 from torchrec.distributed.resharding.model import (  # noqa
     dry_run,
     plan_delta,
@@ -88,6 +92,8 @@ __all__ = [
     "ReshardOptions",
     "StorageMode",
     "ExchangeGroups",
+    "keep_exchange_groups",
+    "kept_exchange_groups",
     "dry_run",
     "dry_run_move",
     "move_model",

@@ -16,7 +16,8 @@ device memory outside PyTorch's allocator. :class:`ExchangeGroups` keeps one
 members and device type (the least recently used beyond ``max_groups`` is
 aborted), measures what each connect took, and remembers the peers each
 group exchanged with; :func:`kept_exchange_groups` is the one a
-``ShardingEnv`` keeps for the transactions that name none, and
+``ShardingEnv`` keeps for its transactions (:func:`keep_exchange_groups`
+installs others), and
 :func:`same_kept_group` is the coordinator's answer to whether every member
 kept the same one.
 """
@@ -279,8 +280,7 @@ class ExchangeGroups:
 
 def kept_exchange_groups(env: Any) -> ExchangeGroups:
     """
-    The exchange groups a ``ShardingEnv`` keeps for the transactions that
-    name no ``ReshardOptions.exchange_groups``: every module and model
+    The exchange groups a ``ShardingEnv`` keeps for its transactions: every module and model
     sharded over the env (and every move onto its group) shares them, so the
     default path connects each set of members once, not per transaction;
     they go with the env (nothing is kept for the process: a job that makes
@@ -295,8 +295,30 @@ def kept_exchange_groups(env: Any) -> ExchangeGroups:
     """
     groups = env.__dict__.get(_KEPT_GROUPS_ATTRIBUTE)
     if not isinstance(groups, ExchangeGroups):
-        groups = ExchangeGroups()
-        setattr(env, _KEPT_GROUPS_ATTRIBUTE, groups)
+        groups = keep_exchange_groups(env, ExchangeGroups())
+    return groups
+
+
+def keep_exchange_groups(env: Any, groups: ExchangeGroups) -> ExchangeGroups:
+    """
+    Makes ``groups`` the exchange groups ``env`` keeps: every later
+    transaction over the env connects and keeps its groups there (e.g. an
+    ``ExchangeGroups`` that keeps more groups connected, or one that records
+    its calls). The groups the env kept before are closed (aborted, as at
+    any close of kept groups).
+
+    Args:
+        env (ShardingEnv): the environment of the models whose transactions
+            should use ``groups``.
+        groups (ExchangeGroups): the groups to keep.
+
+    Returns:
+        ExchangeGroups: ``groups``.
+    """
+    previous = env.__dict__.get(_KEPT_GROUPS_ATTRIBUTE)
+    if isinstance(previous, ExchangeGroups) and previous is not groups:
+        previous.close()
+    setattr(env, _KEPT_GROUPS_ATTRIBUTE, groups)
     return groups
 
 

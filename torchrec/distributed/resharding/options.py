@@ -13,6 +13,7 @@ model, a move between groups), and the storage mode of rebuilt kernels.
 """
 
 import enum
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, TYPE_CHECKING
@@ -54,12 +55,12 @@ class ReshardOptions:
             transaction's first rank.
         storage (StorageMode): whether table shards that stay put keep their
             storage (``REUSE``, the default) or are copied (``COPY``).
-        exchange_groups (Optional[ExchangeGroups]): where this rank keeps the
-            exchange groups it connected, for the next transactions of the
-            same ranks (one object for the job's life: NCCL then connects
-            each set of ranks once); None: those the transaction's
-            ``ShardingEnv`` keeps (``exchange_groups.kept_exchange_groups``),
-            or, for a transaction without one, a group of its own.
+        exchange_groups (Optional[ExchangeGroups]): deprecated (options hold
+            settings, not connections): a transaction keeps its exchange
+            groups in its ``ShardingEnv``
+            (``exchange_groups.kept_exchange_groups``; install others with
+            ``exchange_groups.keep_exchange_groups``). Still honoured, with a
+            ``DeprecationWarning``, for one release.
     """
 
     max_inflight_bytes: Optional[int] = None
@@ -69,6 +70,16 @@ class ReshardOptions:
     exchange_groups: Optional["ExchangeGroups"] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.exchange_groups is not None:
+            warnings.warn(
+                "ReshardOptions.exchange_groups is deprecated: options hold "
+                "settings, not connections; a transaction keeps its exchange "
+                "groups in its ShardingEnv (install others with "
+                "torchrec.distributed.resharding.exchange_groups."
+                "keep_exchange_groups(env, groups))",
+                DeprecationWarning,
+                stacklevel=3,
+            )
         if self.max_inflight_bytes is not None and self.max_inflight_bytes <= 0:
             raise ValueError(
                 f"max_inflight_bytes must be positive, got {self.max_inflight_bytes}"

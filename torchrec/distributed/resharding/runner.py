@@ -269,7 +269,7 @@ class Participant(abc.ABC, Generic[FactsT, MergedT]):
     def exchange_groups_owner(self) -> Optional[Any]:
         """
         The ``ShardingEnv`` whose kept exchange groups serve the transaction
-        when its options name none (``exchange_groups.kept_exchange_groups``);
+        (``exchange_groups.kept_exchange_groups``);
         None: a group for this transaction alone.
         """
         return None
@@ -439,10 +439,10 @@ def _exchange_groups(
     participant: Participant[Any, Any], options: ReshardOptions
 ) -> Tuple[ExchangeGroups, bool]:
     """
-    Where the transaction finds and keeps its exchange group: the options'
-    groups, else those of the participant's ``ShardingEnv``
-    (``exchange_groups.kept_exchange_groups``), else its own (closed at its
-    end; the second value says so).
+    Where the transaction finds and keeps its exchange group: those of the
+    participant's ``ShardingEnv`` (``exchange_groups.kept_exchange_groups``),
+    else its own (closed at its end; the second value says so); groups named
+    by the deprecated ``ReshardOptions.exchange_groups`` come first.
     """
     if options.exchange_groups is not None:
         return options.exchange_groups, False

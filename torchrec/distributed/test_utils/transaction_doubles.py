@@ -12,7 +12,8 @@ Doubles for one-process tests of the transaction runner: a participant that
 copies one table of one rank into a new slot (and records what it is asked),
 and kept exchange groups whose backends record their calls (every method
 call, and the lifecycle as text: connect, abort, shutdown, set_timeout)
-while they pass each call to a real gloo backend.
+while they pass each call to a real gloo backend; the environment that
+keeps such groups for a participant's transactions.
 """
 
 from datetime import timedelta
@@ -20,7 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed.resharding.exchange_groups import ExchangeGroups
+from torchrec.distributed.resharding.exchange_groups import (
+    ExchangeGroups,
+    keep_exchange_groups,
+)
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.runner import (
@@ -30,6 +34,7 @@ from torchrec.distributed.resharding.runner import (
 )
 from torchrec.distributed.resharding.slots import LocalSlot
 from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
+from torchrec.distributed.types import ShardingEnv
 
 WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
 WHOLE = Rect(0, 0, 4, 3)
@@ -193,3 +198,19 @@ class CopyParticipant(Participant[Any, Any]):
 
     def exchange_groups_owner(self) -> Optional[Any]:
         return self._owner
+
+
+def env_keeping(groups: ExchangeGroups) -> ShardingEnv:
+    """
+    A ``ShardingEnv`` of the default process group that keeps ``groups`` for
+    its transactions (a participant's ``owner``).
+
+    Args:
+        groups (ExchangeGroups): the groups the transactions should keep.
+
+    Returns:
+        ShardingEnv: the environment.
+    """
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    keep_exchange_groups(env, groups)
+    return env

@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.resharding import (
     ExchangeGroups,
+    keep_exchange_groups,
     reshard_module,
     ReshardAbortedError,
     ReshardError,
@@ -434,10 +435,8 @@ def _run_abort(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
         assert s.device.type == "cuda", s.device
         a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
-        groups = ExchangeGroups()
-        options = ReshardOptions(
-            exchange_timeout=EXCHANGE_TIMEOUT, exchange_groups=groups
-        )
+        groups = keep_exchange_groups(s.env, ExchangeGroups())
+        options = ReshardOptions(exchange_timeout=EXCHANGE_TIMEOUT)
         module, reference = s.shard(a), s.shard(a)
         reshard_module(module, delta(a, b), s.env, s.device, options)
         reshard_module(reference, delta(a, b), s.env, s.device)
@@ -472,12 +471,11 @@ def _run_abort(rank: int, world_size: int, port: str) -> None:
 def _run_kept_communicator(rank: int, world_size: int, port: str) -> None:
     with reshard_scenario(rank, world_size, port, 4, timeout_s=120) as s:
         a, b = s.plan(MIXED_PLAN_A), s.plan(MIXED_PLAN_B)
-        groups = ExchangeGroups()
-        options = ReshardOptions(exchange_groups=groups)
+        groups = keep_exchange_groups(s.env, ExchangeGroups())
         module = s.shard(a)
         names = []
         for old, new in ((a, b), (b, a), (a, b)):
-            report = reshard_module(module, delta(old, new), s.env, s.device, options)
+            report = reshard_module(module, delta(old, new), s.env, s.device)
             names.append(report.exchange_group)
         assert groups.connected == 1 and len(set(names)) == 1, names
         weights = global_weights(module, s.pg)

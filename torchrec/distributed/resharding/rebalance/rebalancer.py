@@ -46,7 +46,6 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.agreement import agree_among_ranks
 from torchrec.distributed.resharding.elastic_plan import TableShape
-from torchrec.distributed.resharding.exchange_groups import ExchangeGroups
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.model import dry_run, plan_delta
 from torchrec.distributed.resharding.model_view import (
@@ -256,16 +255,9 @@ class Rebalancer:
         self._sharders: List[ModuleSharder[nn.Module]] = list(
             replan.sharders if replan.sharders is not None else model_sharders(model)
         )
-        options = moves.reshard or ReshardOptions()
-        # the rebalancer's reshards connect each set of ranks once
-        self._own_groups: Optional[ExchangeGroups] = (
-            None if options.exchange_groups is not None else ExchangeGroups()
-        )
-        self._options: ReshardOptions = (
-            options
-            if self._own_groups is None
-            else replace(options, exchange_groups=self._own_groups)
-        )
+        # its reshards keep their exchange groups in the model's ShardingEnv
+        # (exchange_groups.kept_exchange_groups): each set of ranks connects once
+        self._options: ReshardOptions = moves.reshard or ReshardOptions()
         self._rebuild_optimizer = moves.rebuild_optimizer
         self._keep_kernels: bool = replan.keep_kernels
         self._allow_data_parallel: bool = replan.allow_data_parallel
@@ -307,14 +299,13 @@ class Rebalancer:
 
     def close(self) -> None:
         """
-        Removes the monitor's hooks, ends the replan process and shuts down
-        the exchange groups kept for the reshards; ``step()`` must not be
-        called after.
+        Removes the monitor's hooks and ends the replan process; ``step()``
+        must not be called after. The exchange groups of its reshards stay
+        with the model's ``ShardingEnv``
+        (``exchange_groups.kept_exchange_groups(env).close()`` ends them).
         """
         self._monitor.remove()
         self._background.close()
-        if self._own_groups is not None:
-            self._own_groups.close()
 
     def step(self) -> Optional[RebalanceDecision]:
         """

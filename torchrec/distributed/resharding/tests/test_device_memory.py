@@ -45,7 +45,6 @@ from torchrec.distributed.resharding.device_memory import (
 )
 from torchrec.distributed.resharding.elastic_plan import plan_placements
 from torchrec.distributed.resharding.fields import Field, FieldKind
-from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
     PlacedShard,
     Rect,
@@ -65,6 +64,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
 )
 from torchrec.distributed.test_utils.transaction_doubles import (
     CopyParticipant,
+    env_keeping,
     RecordingGroups,
 )
 from torchrec.distributed.types import ShardingPlan
@@ -302,11 +302,13 @@ class PreflightTest(unittest.TestCase):
             ),
             mock.patch("torch.cuda.memory_allocated", autospec=True, return_value=0),
         ):
-            participant = CopyParticipant(calls, device=CUDA0)
+            participant = CopyParticipant(
+                calls, device=CUDA0, owner=env_keeping(groups)
+            )
             with self.assertRaisesRegex(
                 ReshardError, r"the copy needs up to \d+ B more on cuda:0.*1 B short"
             ):
-                run_transaction(participant, ReshardOptions(exchange_groups=groups))
+                run_transaction(participant)
             mem_get_info.assert_called_once_with(CUDA0)
         self.assertEqual(calls, ["participant abort"])
         self.assertEqual(groups.connected, 0)

@@ -39,6 +39,7 @@ from torchrec.distributed.resharding.device_memory import (
 from torchrec.distributed.resharding.elastic import state_devices
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
+    keep_exchange_groups,
     kept_exchange_groups,
     same_kept_group,
 )
@@ -58,6 +59,7 @@ from torchrec.distributed.test_utils.multi_process_utils import (
 )
 from torchrec.distributed.test_utils.transaction_doubles import (
     CopyParticipant,
+    env_keeping,
     RecordingBackend,
     RecordingGroups,
 )
@@ -110,11 +112,11 @@ class KeptGroupsTest(unittest.TestCase):
     def test_one_connection_serves_every_transaction_of_the_ranks(self) -> None:
         calls: List[str] = []
         groups = RecordingGroups(calls)
-        options = ReshardOptions(exchange_groups=groups)
         with single_rank_process_group():
-            first = CopyParticipant(calls)
-            a = run_transaction(first, options)
-            b = run_transaction(CopyParticipant(calls), options)
+            env = env_keeping(groups)
+            first = CopyParticipant(calls, owner=env)
+            a = run_transaction(first)
+            b = run_transaction(CopyParticipant(calls, owner=env))
             self.assertTrue(torch.equal(first.new, first.old))
             self.assertEqual(groups.connected, 1)
             self.assertEqual(a.exchange_group, b.exchange_group)
@@ -128,29 +130,56 @@ class KeptGroupsTest(unittest.TestCase):
     def test_a_failure_replaces_the_kept_group(self) -> None:
         calls: List[str] = []
         groups = RecordingGroups(calls)
-        options = ReshardOptions(exchange_groups=groups)
         with single_rank_process_group():
-            a = run_transaction(CopyParticipant(calls), options)
+            env = env_keeping(groups)
+            a = run_transaction(CopyParticipant(calls, owner=env))
             with self.assertRaises(ReshardAbortedError):
-                run_transaction(CopyParticipant(calls, fail=True), options)
+                run_transaction(CopyParticipant(calls, fail=True, owner=env))
             self.assertEqual(calls.count("abort"), 1)
-            c = run_transaction(CopyParticipant(calls), options)
+            c = run_transaction(CopyParticipant(calls, owner=env))
             self.assertEqual(groups.connected, 2)
             self.assertNotEqual(a.exchange_group, c.exchange_group)
             groups.close()
         self.assertEqual(calls.count("shutdown"), 0)
         self.assertEqual(calls.count("abort"), 2)
 
+    def test_the_deprecated_option_still_names_the_groups(self) -> None:
+        calls: List[str] = []
+        groups = RecordingGroups(calls)
+        with self.assertWarnsRegex(DeprecationWarning, "keep_exchange_groups"):
+            options = ReshardOptions(exchange_groups=groups)
+        with single_rank_process_group() as pg:
+            env = ShardingEnv.from_process_group(pg)
+            run_transaction(CopyParticipant(calls, owner=env), options)
+            self.assertEqual(groups.connected, 1)
+            self.assertEqual(kept_exchange_groups(env).connected, 0)
+            groups.close()
+
+    def test_groups_kept_anew_close_the_envs_former_ones(self) -> None:
+        calls: List[str] = []
+        first, second = RecordingGroups(calls), RecordingGroups(calls)
+        with single_rank_process_group() as pg:
+            env = ShardingEnv.from_process_group(pg)
+            self.assertIs(keep_exchange_groups(env, first), first)
+            run_transaction(CopyParticipant(calls, owner=env))
+            self.assertEqual(calls.count("abort"), 0)
+            keep_exchange_groups(env, second)
+            self.assertIs(kept_exchange_groups(env), second)
+            # the former groups are closed, which aborts their kept group
+            self.assertEqual(calls.count("abort"), 1)
+            self.assertEqual(first.kept_name([0], torch.device("cpu")), "")
+            run_transaction(CopyParticipant(calls, owner=env))
+            self.assertEqual((first.connected, second.connected), (1, 1))
+            second.close()
+
     def test_a_new_timeout_reaches_the_kept_backend(self) -> None:
         calls: List[str] = []
         groups = RecordingGroups(calls)
         with single_rank_process_group():
+            env = env_keeping(groups)
             for seconds in (30, 40):
-                options = ReshardOptions(
-                    exchange_timeout=timedelta(seconds=seconds),
-                    exchange_groups=groups,
-                )
-                run_transaction(CopyParticipant(calls), options)
+                options = ReshardOptions(exchange_timeout=timedelta(seconds=seconds))
+                run_transaction(CopyParticipant(calls, owner=env), options)
             groups.close()
         self.assertIn("set_timeout 40", calls)
         self.assertEqual(groups.connected, 1)
@@ -355,7 +384,6 @@ class DeviceTest(unittest.TestCase):
         # and synchronised before the slots are read and before the commit.
         calls: List[str] = []
         groups = RecordingGroups(calls)
-        options = ReshardOptions(exchange_groups=groups)
         with (
             single_rank_process_group(),
             mock.patch("torch.cuda.current_device", autospec=True, return_value=1),
@@ -365,8 +393,9 @@ class DeviceTest(unittest.TestCase):
             ),
             _cuda_memory_of_a_machine_without_cuda(),
         ):
+            env = env_keeping(groups)
             run_transaction(
-                CopyParticipant(calls, device=torch.device("cuda")), options
+                CopyParticipant(calls, device=torch.device("cuda"), owner=env)
             )
             groups.close()
         self.assertEqual(
@@ -403,9 +432,7 @@ class MixedDeviceTest(unittest.TestCase):
                 side_effect=lambda d: calls.append(f"synchronize {d}"),
             ),
         ):
-            run_transaction(
-                _HostExchangeOfCudaState(calls), ReshardOptions(exchange_groups=groups)
-            )
+            run_transaction(_HostExchangeOfCudaState(calls, owner=env_keeping(groups)))
             groups.close()
         before_exchange = ["synchronize cuda:1", "synchronize cpu"]
         self.assertEqual(
