@@ -71,7 +71,7 @@ from torchrec.distributed.resharding.rebalance.search import (  # noqa
     search_moves,
     SearchResult,
 )
-from torchrec.distributed.resharding.transaction import reshard_module  # noqa
+from torchrec.distributed.resharding.reshard import reshard_module  # noqa
 from torchrec.distributed.resharding.transaction_report import (  # noqa
     PhaseTimes,
     TransactionReport,

@@ -9,7 +9,7 @@
 
 """
 The module-surgery half of live resharding: what the generic reshard (the
-transaction driver in ``transaction``) needs to know about one kind of sharded
+transaction driver in ``reshard``) needs to know about one kind of sharded
 embedding module, as an abstract :class:`ShardedModuleAdapter`, and its
 implementation for ``ShardedEmbeddingBagCollection``
 (``ShardedEmbeddingCollection``'s is in ``install_ec``; ``adapters`` finds a

@@ -10,7 +10,7 @@
 """
 Module surgery for live resharding of ``ShardedEmbeddingCollection``
 (sequence embeddings): how its groups are read and built. The reshard itself
-is the generic transaction (``transaction``); the module installs the new
+is the generic transaction (``reshard``); the module installs the new
 groups with its own ``_install_sharding_groups``.
 """
 

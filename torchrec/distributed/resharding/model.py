@@ -22,7 +22,7 @@ from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.runner import described, run_transaction
-from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 

@@ -11,7 +11,7 @@
 The one transaction runner of live resharding: it plans, moves and reports.
 
 Every way of moving tables — a reshard within a process group
-(``transaction``), a move onto another set of ranks (``elastic``), an unshard
+(``reshard``), a move onto another set of ranks (``elastic``), an unshard
 onto one rank and a shard from one rank (``unshard``) — is a
 :class:`Participant`: this rank's part of one transaction. A participant
 states what it has and what it wants, and how to build, commit and abort; the

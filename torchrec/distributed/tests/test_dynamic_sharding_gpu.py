@@ -73,7 +73,7 @@ from torchrec.distributed.resharding import (
 )
 from torchrec.distributed.resharding.exchange import StagingPool
 from torchrec.distributed.resharding.rebalance.load import LoadMonitor
-from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.resharding.wire import (
     AbortSignal,
     Message,

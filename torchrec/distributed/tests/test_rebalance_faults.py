@@ -44,7 +44,7 @@ from torchrec.distributed.resharding.rebalance.rebalancer import (
     Rebalancer,
 )
 from torchrec.distributed.resharding.rebalance.replan import ReplanRequest
-from torchrec.distributed.resharding.transaction import ReshardOptions
+from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.test_utils.rebalance_utils import (
     cpu_topology,
     decision_summary,

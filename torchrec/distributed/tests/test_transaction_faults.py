@@ -41,7 +41,7 @@ from torchrec.distributed.resharding import (
 )
 from torchrec.distributed.resharding.elastic import ModelMove
 from torchrec.distributed.resharding.runner import Participant
-from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.resharding.unshard import ShardFromRank, Unshard
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torchrec.distributed.resharding import reshard_module, ReshardAbortedError
 from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.transaction import ModuleReshard
+from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.resharding.wire import (
     ABORT_POLL_SECONDS,
     AbortedByPeer,

@@ -154,7 +154,7 @@ OWN_LIFECYCLE_CALLS: Dict[str, Set[str]] = {
     "participant.abort": {"runner.py"},
     "group.abort": {"exchange_groups.py"},
     "evicted.abort": {"exchange_groups.py"},
-    "kept.abort": {"transaction.py"},
+    "kept.abort": {"reshard.py"},
     "_kept.abort": {"elastic.py"},
 }
 
