@@ -8,45 +8,31 @@
 # pyre-strict
 
 """
-The registry of module adapters: which :class:`ShardedModuleAdapter` reads and
-builds a kind of sharded embedding module. Every adapter module imports only
-the abstract adapter (``install``); this one imports them all, so a third
-module type plugs in with its adapter module and one entry here.
+Deprecated: the registry of module adapters and the adapters are in
+``torchrec.distributed.resharding.module_adapters`` (the module adapters are
+one package, a module per upstream module type). Importing this module
+warns; it goes in the next release.
 """
 
-from typing import List, Tuple, Type
+import warnings
 
-from torch import nn
-from torchrec.distributed.embedding import ShardedEmbeddingCollection
-from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.resharding.install import (
+from torchrec.distributed.resharding.module_adapters import (
+    adapter_for,
     EmbeddingBagCollectionAdapter,
+    EmbeddingCollectionAdapter,
     ShardedModuleAdapter,
 )
-from torchrec.distributed.resharding.install_ec import EmbeddingCollectionAdapter
-from torchrec.distributed.resharding.plan import ReshardError
 
+__all__ = [
+    "adapter_for",
+    "EmbeddingBagCollectionAdapter",
+    "EmbeddingCollectionAdapter",
+    "ShardedModuleAdapter",
+]
 
-def _registry() -> List[Tuple[Type[nn.Module], Type[ShardedModuleAdapter]]]:
-    """(sharded module type, its adapter) of every module live resharding moves."""
-    return [
-        (ShardedEmbeddingBagCollection, EmbeddingBagCollectionAdapter),
-        (ShardedEmbeddingCollection, EmbeddingCollectionAdapter),
-    ]
-
-
-def adapter_for(module: nn.Module) -> ShardedModuleAdapter:
-    """
-    Args:
-        module (nn.Module): a sharded embedding module.
-
-    Returns:
-        ShardedModuleAdapter: its adapter.
-
-    Raises:
-        ReshardError: for a module live resharding cannot move.
-    """
-    for module_type, adapter_type in _registry():
-        if isinstance(module, module_type):
-            return adapter_type(module)
-    raise ReshardError(f"a module of type {type(module).__name__} cannot be resharded")
+warnings.warn(
+    "torchrec.distributed.resharding.adapters is deprecated: import from "
+    "torchrec.distributed.resharding.module_adapters",
+    DeprecationWarning,
+    stacklevel=2,
+)

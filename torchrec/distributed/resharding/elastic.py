@@ -48,7 +48,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_movable_kernels,
@@ -85,6 +84,7 @@ from torchrec.distributed.resharding.model_view import (
     sharded_slots,
     table_weights,
 )
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.optimizer_state import apply_table_facts
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardError, TableLayout

@@ -28,8 +28,8 @@ from torchrec.distributed.batched_embedding_kernel import (
 )
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embeddingbag import table_fused_params
-from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.kernel_state import batched_kernels, local_slots
+from torchrec.distributed.resharding.module_adapters import ShardedModuleAdapter
 from torchrec.distributed.resharding.plan import Rect, ReshardError, TableLayout
 from torchrec.distributed.resharding.plan_validation import describe_parameter_sharding
 from torchrec.distributed.types import ParameterSharding, ShardingEnv

@@ -8,48 +8,21 @@
 # pyre-strict
 
 """
-Module surgery for live resharding of ``ShardedEmbeddingCollection``
-(sequence embeddings): how its groups are read and built. The reshard itself
-is the generic transaction (``reshard``); the module installs the new
-groups with its own ``_install_sharding_groups``.
+Deprecated: the EmbeddingCollection adapter is in
+``torchrec.distributed.resharding.module_adapters`` (the module adapters are
+one package, a module per upstream module type). Importing this module
+warns; it goes in the next release.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+import warnings
 
-import torch
-from torch import nn
-from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.resharding.install import ShardedModuleAdapter
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.resharding.module_adapters import EmbeddingCollectionAdapter
 
+__all__ = ["EmbeddingCollectionAdapter"]
 
-class EmbeddingCollectionAdapter(ShardedModuleAdapter):
-    """Module surgery for ``ShardedEmbeddingCollection``."""
-
-    def configs(self) -> Sequence[Any]:
-        return self.module._embedding_configs
-
-    def groups(self) -> List[Tuple[str, Any, nn.Module]]:
-        m = self.module
-        return [
-            (sharding_type, sharding, lookup)
-            for (sharding_type, sharding), lookup in zip(
-                m._sharding_type_to_sharding.items(), m._lookups
-            )
-        ]
-
-    def create_sharding(
-        self,
-        infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device],
-    ) -> Any:
-        from torchrec.distributed.embedding import create_embedding_sharding
-
-        return create_embedding_sharding(
-            sharding_type=infos[0].param_sharding.sharding_type,
-            sharding_infos=infos,
-            env=env,
-            device=device,
-            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
-        )
+warnings.warn(
+    "torchrec.distributed.resharding.install_ec is deprecated: import from "
+    "torchrec.distributed.resharding.module_adapters",
+    DeprecationWarning,
+    stacklevel=2,
+)

@@ -16,13 +16,15 @@ dry-run the delta between two plans.
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from torch import nn
-from torchrec.distributed.resharding.adapters import adapter_for
-from torchrec.distributed.resharding.install import ShardedModuleAdapter
+from torchrec.distributed.resharding.module_adapters import (
+    adapter_for,
+    ShardedModuleAdapter,
+)
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.plan_validation import sharding_plan_text
-from torchrec.distributed.resharding.runner import described, run_transaction
 from torchrec.distributed.resharding.reshard import ModuleReshard
+from torchrec.distributed.resharding.runner import described, run_transaction
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 

@@ -20,7 +20,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import (
     MoveFacts,
     plan_digest,
@@ -29,6 +28,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     TableShape,
 )
 from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.optimizer_state import local_table_facts
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.slots import keyed_slots, LocalSlot, SlotKey

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.device_memory import placement_of
 from torchrec.distributed.resharding.fields import (
     merge_table_facts,
@@ -57,7 +56,6 @@ from torchrec.distributed.resharding.groups import (
     retire_kernels,
     wrap_new_lookups,
 )
-from torchrec.distributed.resharding.install import ShardedModuleAdapter
 from torchrec.distributed.resharding.kept_grouping import (
     direct_output_order,
     KeptBatchKey,
@@ -68,6 +66,10 @@ from torchrec.distributed.resharding.kept_step import KeptStorageStep, RunFacts
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     invalidate_caches,
+)
+from torchrec.distributed.resharding.module_adapters import (
+    adapter_for,
+    ShardedModuleAdapter,
 )
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,

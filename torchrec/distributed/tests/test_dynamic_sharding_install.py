@@ -12,7 +12,7 @@ A ShardedEmbeddingBagCollection installs new sharding groups after
 construction. Under plan A, trained, the module gets the groups of plan B
 built detached from it (``resharding.groups``: the sharding infos of plan B,
 the groups that change, new shardings and lookups for those) and installs
-them through its own ``_install_sharding_groups`` (``resharding.install``'s
+them through its own ``_install_sharding_groups`` (``resharding.module_adapters``'s
 adapter); the global state gathered before is then loaded. It must equal, bit
 for bit, the same state sharded directly with plan B: state dict, fused
 optimizer state, module plan, outputs and training; groups plan B does not
@@ -33,7 +33,9 @@ from torchrec.distributed.resharding.groups import (
     rebuilt_tables,
     wrap_new_lookups,
 )
-from torchrec.distributed.resharding.install import EmbeddingBagCollectionAdapter
+from torchrec.distributed.resharding.module_adapters import (
+    EmbeddingBagCollectionAdapter,
+)
 from torchrec.distributed.resharding.plan import layout_from_parameter_sharding
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,

@@ -39,8 +39,10 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 )
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.resharding import reshard_module
-from torchrec.distributed.resharding.install import EmbeddingBagCollectionAdapter
 from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.module_adapters import (
+    EmbeddingBagCollectionAdapter,
+)
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,

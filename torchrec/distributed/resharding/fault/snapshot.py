@@ -39,13 +39,13 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.elastic_plan import plan_digest
 from torchrec.distributed.resharding.fault.options import FaultOptions
 from torchrec.distributed.resharding.fault.sources import SnapshotOffer, SourcePiece
 from torchrec.distributed.resharding.fields import Field, FieldKind, table_key
 from torchrec.distributed.resharding.kernel_state import batched_kernels, shard_rect
 from torchrec.distributed.resharding.model_view import sharded_modules, sharded_slots
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.plan import Rect
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.types import ShardingType

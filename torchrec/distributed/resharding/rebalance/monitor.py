@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
-from torchrec.distributed.resharding.adapters import adapter_for
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.rebalance.statistics import (
     feature_slots,
     FeatureSlot,

@@ -43,7 +43,6 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.agreement import agree_among_ranks
 from torchrec.distributed.resharding.elastic_plan import TableShape
 from torchrec.distributed.resharding.fields import table_key
@@ -53,6 +52,7 @@ from torchrec.distributed.resharding.model_view import (
     model_sharders,
     sharded_tables,
 )
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
 from torchrec.distributed.resharding.plan_validation import (

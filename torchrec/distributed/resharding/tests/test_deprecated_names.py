@@ -23,6 +23,20 @@ from typing import Dict, Tuple
 #: old module -> (new module, the names the old one still gives)
 RENAMED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
     "transaction": ("reshard", ("ModuleReshard", "reshard_module", "ReshardOptions")),
+    "adapters": (
+        "module_adapters",
+        (
+            "adapter_for",
+            "EmbeddingBagCollectionAdapter",
+            "EmbeddingCollectionAdapter",
+            "ShardedModuleAdapter",
+        ),
+    ),
+    "install": (
+        "module_adapters",
+        ("EmbeddingBagCollectionAdapter", "ShardedModuleAdapter"),
+    ),
+    "install_ec": ("module_adapters", ("EmbeddingCollectionAdapter",)),
 }
 
 PACKAGE = "torchrec.distributed.resharding"

@@ -21,10 +21,10 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding.adapters import adapter_for
 from torchrec.distributed.resharding.kept_grouping import BATCH_KEY
 from torchrec.distributed.resharding.kept_step import KeptStorageStep
 from torchrec.distributed.resharding.kernel_state import batched_kernels
+from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.options import ReshardOptions, StorageMode
 from torchrec.distributed.resharding.storage import storage_reuse_supported
 from torchrec.distributed.test_utils.multi_process_utils import (

@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Module surgery for ``ShardedEmbeddingCollection`` (sequence embeddings,
+upstream's ``torchrec.distributed.embedding``): how its groups are read and
+built. The reshard itself
+is the generic transaction (``reshard``); the module installs the new
+groups with its own ``_install_sharding_groups``.
+"""
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.resharding.module_adapters.base import ShardedModuleAdapter
+from torchrec.distributed.types import ShardingEnv
+
+
+class EmbeddingCollectionAdapter(ShardedModuleAdapter):
+    """Module surgery for ``ShardedEmbeddingCollection``."""
+
+    def configs(self) -> Sequence[Any]:
+        return self.module._embedding_configs
+
+    def groups(self) -> List[Tuple[str, Any, nn.Module]]:
+        m = self.module
+        return [
+            (sharding_type, sharding, lookup)
+            for (sharding_type, sharding), lookup in zip(
+                m._sharding_type_to_sharding.items(), m._lookups
+            )
+        ]
+
+    def create_sharding(
+        self,
+        infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device],
+    ) -> Any:
+        from torchrec.distributed.embedding import create_embedding_sharding
+
+        return create_embedding_sharding(
+            sharding_type=infos[0].param_sharding.sharding_type,
+            sharding_infos=infos,
+            env=env,
+            device=device,
+            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
+        )
