@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.resharding.devices import normalized_device
 from torchrec.distributed.resharding.elastic_plan import (
     AgreedMove,
     check_movable_kernels,
@@ -97,7 +98,7 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.transaction_report import TransactionReport
-from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 

@@ -72,6 +72,7 @@ from typing import (
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
+from torchrec.distributed.resharding.abort_signal import AbortedByPeer, AbortSignal
 from torchrec.distributed.resharding.agreement import agree_among_ranks, default_timeout
 from torchrec.distributed.resharding.device_memory import (
     check_fits,
@@ -82,6 +83,10 @@ from torchrec.distributed.resharding.device_memory import (
     NCCL_COMMUNICATOR_BYTES,
     NCCL_PEER_BYTES,
     TablePlacement,
+)
+from torchrec.distributed.resharding.devices import (
+    normalized_device,
+    synchronize_device,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
 from torchrec.distributed.resharding.exchange_groups import (
@@ -104,13 +109,7 @@ from torchrec.distributed.resharding.transaction_report import (
 )
 from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
 from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers, RankPlan
-from torchrec.distributed.resharding.wire import (
-    AbortedByPeer,
-    AbortSignal,
-    ExchangeGroup,
-    normalized_device,
-    synchronize_device,
-)
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ParameterSharding
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.resharding.devices import normalized_device
 from torchrec.distributed.resharding.kernel_state import (
     batched_kernels,
     local_slots,
@@ -42,7 +43,6 @@ from torchrec.distributed.resharding.plan_validation import (
     MOVABLE_SHARDING_TYPES,
     validate_parameter_sharding,
 )
-from torchrec.distributed.resharding.wire import normalized_device
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,

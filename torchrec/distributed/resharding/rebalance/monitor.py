@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+from torchrec.distributed.resharding.devices import synchronize_device
 from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.rebalance.statistics import (
     feature_slots,
@@ -60,7 +61,6 @@ from torchrec.distributed.resharding.rebalance.statistics import (
     RANK_FIELDS,
     statistics_from_vector,
 )
-from torchrec.distributed.resharding.wire import synchronize_device
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 

@@ -9,7 +9,7 @@
 
 """
 A failure in the exchange reaches every rank in seconds, and every wait is
-bounded, connects included (``wire.AbortSignal``):
+bounded, connects included (``abort_signal.AbortSignal``):
 
 * the store protocol, its participants threads on one store: the gate (a
   store barrier) opens once every rank arrived and fails, naming how many
@@ -41,14 +41,14 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torchrec.distributed.resharding import reshard_module, ReshardAbortedError
-from torchrec.distributed.resharding.options import ReshardOptions
-from torchrec.distributed.resharding.reshard import ModuleReshard
-from torchrec.distributed.resharding.wire import (
+from torchrec.distributed.resharding.abort_signal import (
     ABORT_POLL_SECONDS,
     AbortedByPeer,
     AbortSignal,
-    ExchangeGroup,
 )
+from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.reshard import ModuleReshard
+from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.killed_rank import run_killed_after_agreement
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (

@@ -36,6 +36,10 @@ from torchrec.distributed.resharding.device_memory import (
     NCCL_COMMUNICATOR_BYTES,
     NCCL_PEER_BYTES,
 )
+from torchrec.distributed.resharding.devices import (
+    normalized_device,
+    synchronize_device,
+)
 from torchrec.distributed.resharding.elastic import state_devices
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
@@ -50,9 +54,7 @@ from torchrec.distributed.resharding.wire import (
     _pair_order,
     ExchangeGroup,
     Message,
-    normalized_device,
     open_exchange_group,
-    synchronize_device,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,

@@ -46,6 +46,7 @@ from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingB
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding import wire
 from torchrec.distributed.resharding.device_memory import free_device_bytes, MemoryWatch
+from torchrec.distributed.resharding.devices import synchronize_device
 from torchrec.distributed.resharding.kernel_state import invalidate_caches, local_slots
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
@@ -56,7 +57,6 @@ from torchrec.distributed.resharding.wire import (
     ExchangeGroup,
     Message,
     open_exchange_group,
-    synchronize_device,
 )
 from torchrec.distributed.test_utils.multi_process_utils import (
     grouped_config,
