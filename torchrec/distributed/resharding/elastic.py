@@ -62,6 +62,7 @@ from torchrec.distributed.resharding.elastic_plan import (
     validate_new_plan,
 )
 from torchrec.distributed.resharding.exchange import broadcast_dense
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.kept_grouping import direct_output_order
 from torchrec.distributed.resharding.kept_step import KeptStorageStep
@@ -98,7 +99,6 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.transaction_report import TransactionReport
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 

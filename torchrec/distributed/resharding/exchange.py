@@ -9,7 +9,7 @@
 
 """
 The one executor of live resharding: it fills new shards from old ones, on
-the transaction's exchange group (``wire.ExchangeGroup``).
+the transaction's exchange group (``exchange_group.ExchangeGroup``).
 
 :func:`execute_transfers` takes one rank's part of a plan
 (:class:`~torchrec.distributed.resharding.transfer_plan.RankPlan`), the fields
@@ -44,11 +44,11 @@ from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, 
 
 import torch
 from torchrec.distributed.resharding.elastic_plan import DenseSpec
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup, Message
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.memory import pinned_staging, release_buffer
 from torchrec.distributed.resharding.plan import Rect, Transfer
 from torchrec.distributed.resharding.transfer_plan import RankPlan
-from torchrec.distributed.resharding.wire import ExchangeGroup, Message
 
 
 class PieceIO(Protocol):

@@ -12,7 +12,7 @@ The exchange groups one rank keeps connected between transactions.
 
 NCCL connects a group's communicator once, eagerly, and a kept group holds
 device memory outside PyTorch's allocator. :class:`ExchangeGroups` keeps one
-:class:`~torchrec.distributed.resharding.wire.ExchangeGroup` per set of
+:class:`~torchrec.distributed.resharding.exchange_group.ExchangeGroup` per set of
 members and device type (the least recently used beyond ``max_groups`` is
 aborted), measures what each connect took, and remembers the peers each
 group exchanged with; :func:`kept_exchange_groups` is the one a
@@ -28,7 +28,10 @@ from datetime import timedelta
 from typing import Any, Dict, Iterable, Optional, Sequence, Set, Tuple
 
 import torch
-from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    open_exchange_group,
+)
 
 logger: logging.Logger = logging.getLogger(__name__)
 

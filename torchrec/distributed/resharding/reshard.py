@@ -41,6 +41,7 @@ from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.resharding.device_memory import placement_of
 from torchrec.distributed.resharding.devices import normalized_device
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup
 from torchrec.distributed.resharding.fields import (
     merge_table_facts,
     table_key,
@@ -95,7 +96,6 @@ from torchrec.distributed.resharding.runner import (
 )
 from torchrec.distributed.resharding.slots import keyed_slots
 from torchrec.distributed.resharding.transaction_report import TransactionReport
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ParameterSharding, ShardingEnv
 
 

@@ -31,7 +31,7 @@ runner takes every participant through the same phases, each under
    may add fit its free device memory (``device_memory``); the participant
    builds what the new layout needs, detached from what runs now
    (:meth:`Participant.build`); the ranks agree again that every rank built;
-3. **exchange**: on the transaction's exchange group (``wire``: connected for
+3. **exchange**: on the transaction's exchange group (``exchange_group``: connected for
    it, or kept from an earlier transaction of the same ranks when every rank
    kept it, which the build's agreement decides), once this rank's device
    finished the work queued on it, the runner plans this rank's part
@@ -89,6 +89,7 @@ from torchrec.distributed.resharding.devices import (
     synchronize_device,
 )
 from torchrec.distributed.resharding.exchange import ExchangeStats, execute_transfers
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
     kept_exchange_groups,
@@ -109,7 +110,6 @@ from torchrec.distributed.resharding.transaction_report import (
 )
 from torchrec.distributed.resharding.transfer_bytes import bytes_per_rank
 from torchrec.distributed.resharding.transfer_plan import plan_rank_transfers, RankPlan
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.types import ParameterSharding
 
 logger: logging.Logger = logging.getLogger(__name__)

@@ -40,6 +40,10 @@ from torchrec.distributed.resharding.elastic_plan import (
     whole_on,
 )
 from torchrec.distributed.resharding.exchange import broadcast_dense
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    normalized_device,
+)
 from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
 from torchrec.distributed.resharding.kernel_state import invalidate_caches
 from torchrec.distributed.resharding.model_build import (
@@ -74,7 +78,6 @@ from torchrec.distributed.resharding.runner import (
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.transaction_report import TransactionReport
-from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 # module path -> table -> fused optimizer state key -> the whole table's state

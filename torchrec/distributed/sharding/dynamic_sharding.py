@@ -33,6 +33,10 @@ from torch.distributed._shard.sharded_tensor import (
 )
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.resharding.exchange import execute_transfers
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    normalized_device,
+)
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
@@ -48,7 +52,6 @@ from torchrec.distributed.resharding.transfer_plan import (
     plan_rank_transfers,
     plan_transfers,
 )
-from torchrec.distributed.resharding.wire import ExchangeGroup, normalized_device
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ParameterSharding,

@@ -21,6 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    open_exchange_group,
+)
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
     keep_exchange_groups,
@@ -33,7 +37,6 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.slots import LocalSlot
-from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 from torchrec.distributed.types import ShardingEnv
 
 WEIGHT = Field("weight", FieldKind.RECT, torch.float32)

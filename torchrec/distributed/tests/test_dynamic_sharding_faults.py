@@ -24,18 +24,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding import (
+    exchange_group,
     exchange_groups,
     reshard_module,
     ReshardAbortedError,
     ReshardOptions,
     slots,
-    wire,
 )
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup
 from torchrec.distributed.resharding.exchange_groups import kept_exchange_groups
 from torchrec.distributed.resharding.fields import Field
 from torchrec.distributed.resharding.plan import Transfer
 from torchrec.distributed.resharding.slots import LocalSlot, read_piece
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.reshard_scenario import (
     MIXED_PLAN_A,
     MIXED_PLAN_B,
@@ -138,7 +138,7 @@ def _run_exchange_group_per_reshard(rank: int, world_size: int, port: str) -> No
         registry = _registry()
         opened: List[str] = []
         closed: List[str] = []
-        open_group = wire.open_exchange_group
+        open_group = exchange_group.open_exchange_group
         close_group = ExchangeGroup.close
 
         def recording_open(*args: Any, **kwargs: Any) -> ExchangeGroup:

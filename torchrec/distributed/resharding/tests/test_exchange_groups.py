@@ -31,7 +31,7 @@ from typing import Any, Iterator, List, Sequence
 from unittest import mock
 
 import torch
-from torchrec.distributed.resharding import wire
+from torchrec.distributed.resharding import exchange_group
 from torchrec.distributed.resharding.device_memory import (
     NCCL_COMMUNICATOR_BYTES,
     NCCL_PEER_BYTES,
@@ -41,6 +41,12 @@ from torchrec.distributed.resharding.devices import (
     synchronize_device,
 )
 from torchrec.distributed.resharding.elastic import state_devices
+from torchrec.distributed.resharding.exchange_group import (
+    _pair_order,
+    ExchangeGroup,
+    Message,
+    open_exchange_group,
+)
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
     keep_exchange_groups,
@@ -50,12 +56,6 @@ from torchrec.distributed.resharding.exchange_groups import (
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.runner import communicator_budget, run_transaction
-from torchrec.distributed.resharding.wire import (
-    _pair_order,
-    ExchangeGroup,
-    Message,
-    open_exchange_group,
-)
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
@@ -237,7 +237,9 @@ class KeptGroupsTest(unittest.TestCase):
     def test_the_measured_connect_is_the_free_memory_it_took(self) -> None:
         with (
             single_rank_process_group(),
-            mock.patch.object(wire, "free_device_bytes", side_effect=[1000, 600]),
+            mock.patch.object(
+                exchange_group, "free_device_bytes", side_effect=[1000, 600]
+            ),
         ):
             group = open_exchange_group([0], "measured", TIMEOUT)
             self.assertEqual(group.communicator_bytes, 400)

@@ -33,10 +33,13 @@ from torchrec.distributed.resharding.exchange import (
     pair_messages,
     SMALL_MESSAGE_BYTES,
 )
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    open_exchange_group,
+)
 from torchrec.distributed.resharding.fields import Field, FieldKind
 from torchrec.distributed.resharding.plan import Rect, Transfer
 from torchrec.distributed.resharding.transfer_plan import RankPlan
-from torchrec.distributed.resharding.wire import ExchangeGroup, open_exchange_group
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,

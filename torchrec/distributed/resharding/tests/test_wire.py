@@ -8,7 +8,7 @@
 # pyre-strict
 
 """
-The exchange group of a transaction (``wire``), on 4 gloo ranks: only the
+The exchange group of a transaction (``exchange_group``), on 4 gloo ranks: only the
 members of a group connect it, under a name of the transaction; two groups in
 a row over the same ranks, one over the same ranks in another order and one
 over other ranks all work (``new_group`` with local synchronization names
@@ -31,16 +31,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torchrec.distributed.resharding.agreement import agree_among_ranks
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    Message,
+    open_exchange_group,
+)
 from torchrec.distributed.resharding.exchange_groups import (
     ExchangeGroups,
     same_kept_group,
 )
 from torchrec.distributed.resharding.plan import ReshardAbortedError
-from torchrec.distributed.resharding.wire import (
-    ExchangeGroup,
-    Message,
-    open_exchange_group,
-)
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
