@@ -72,13 +72,13 @@ from torchrec.distributed.resharding import (
     unshard_model,
 )
 from torchrec.distributed.resharding.exchange import StagingPool
-from torchrec.distributed.resharding.rebalance.load import LoadMonitor
-from torchrec.distributed.resharding.reshard import ModuleReshard
-from torchrec.distributed.resharding.wire import (
+from torchrec.distributed.resharding.exchange_group import (
     AbortSignal,
     Message,
     open_exchange_group,
 )
+from torchrec.distributed.resharding.rebalance.load import LoadMonitor
+from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.test_utils.killed_rank import (
     DUMP_WAIT_MS,
     root_store,

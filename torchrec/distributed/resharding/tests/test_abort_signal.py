@@ -46,9 +46,9 @@ from torchrec.distributed.resharding.abort_signal import (
     AbortedByPeer,
     AbortSignal,
 )
+from torchrec.distributed.resharding.exchange_group import ExchangeGroup
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.reshard import ModuleReshard
-from torchrec.distributed.resharding.wire import ExchangeGroup
 from torchrec.distributed.test_utils.killed_rank import run_killed_after_agreement
 from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (

@@ -37,6 +37,10 @@ RENAMED: Dict[str, Tuple[str, Tuple[str, ...]]] = {
         ("EmbeddingBagCollectionAdapter", "ShardedModuleAdapter"),
     ),
     "install_ec": ("module_adapters", ("EmbeddingCollectionAdapter",)),
+    "wire": (
+        "exchange_group",
+        ("ExchangeGroup", "Message", "open_exchange_group"),
+    ),
 }
 
 PACKAGE = "torchrec.distributed.resharding"

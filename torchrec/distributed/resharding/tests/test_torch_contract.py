@@ -44,20 +44,20 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbeddingBag
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding import wire
+from torchrec.distributed.resharding import exchange_group
 from torchrec.distributed.resharding.device_memory import free_device_bytes, MemoryWatch
 from torchrec.distributed.resharding.devices import synchronize_device
+from torchrec.distributed.resharding.exchange_group import (
+    ExchangeGroup,
+    Message,
+    open_exchange_group,
+)
 from torchrec.distributed.resharding.kernel_state import invalidate_caches, local_slots
 from torchrec.distributed.resharding.optimizer_state import (
     apply_table_facts,
     local_table_facts,
 )
 from torchrec.distributed.resharding.retired import _use_count
-from torchrec.distributed.resharding.wire import (
-    ExchangeGroup,
-    Message,
-    open_exchange_group,
-)
 from torchrec.distributed.test_utils.multi_process_utils import (
     grouped_config,
     single_rank_process_group,
@@ -541,7 +541,7 @@ class WorkContractTest(unittest.TestCase):
 class StoreContractTest(unittest.TestCase):
     def test_the_store_calls_of_the_agreement(self) -> None:
         with single_rank_process_group():
-            store = dist.PrefixStore("contract/", wire.job_store())
+            store = dist.PrefixStore("contract/", exchange_group.job_store())
             self.assertIsInstance(store, dist.Store)
             self.assertEqual(store.add("n", 2), 2)
             self.assertFalse(store.check(["k"]))
@@ -746,8 +746,10 @@ class CudaBuildSignatureTest(unittest.TestCase):
             single_rank_process_group(),
             mock.patch.object(dist, "ProcessGroupNCCL", _NcclStandIn, create=True),
         ):
-            store = dist.PrefixStore("contract/", wire.job_store())
-            wire._connect(store, [0], 0, TIMEOUT, torch.device("cuda", 0), "t")
+            store = dist.PrefixStore("contract/", exchange_group.job_store())
+            exchange_group._connect(
+                store, [0], 0, TIMEOUT, torch.device("cuda", 0), "t"
+            )
         (made,) = _NcclStandIn.made
         options = made.log[0][1][3]
         self.assertLessEqual(
@@ -785,7 +787,7 @@ class CudaBuildSignatureTest(unittest.TestCase):
 
 class SourceScanTest(unittest.TestCase):
     def test_every_backend_level_or_private_call_is_in_the_contract(self) -> None:
-        package = Path(wire.__file__).resolve().parent
+        package = Path(exchange_group.__file__).resolve().parent
         sources = [p for p in package.rglob("*.py") if "tests" not in p.parts]
         sources.append(package.parent / "sharding" / "dynamic_sharding.py")
         found: Dict[str, Set[str]] = {}
