@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterator, List, Optional
 import torch
 import torch.distributed as dist
 from torchrec.distributed.planner.types import PlannerError
+from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import ReshardAbortedError
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
@@ -44,7 +45,6 @@ from torchrec.distributed.resharding.rebalance.rebalancer import (
     Rebalancer,
 )
 from torchrec.distributed.resharding.rebalance.replan import ReplanRequest
-from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.test_utils.rebalance_utils import (
     cpu_topology,
     decision_summary,

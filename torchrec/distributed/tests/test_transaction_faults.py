@@ -40,8 +40,8 @@ from torchrec.distributed.resharding import (
     unshard_model,
 )
 from torchrec.distributed.resharding.elastic import ModelMove
-from torchrec.distributed.resharding.runner import Participant
 from torchrec.distributed.resharding.reshard import ModuleReshard
+from torchrec.distributed.resharding.runner import Participant
 from torchrec.distributed.resharding.unshard import ShardFromRank, Unshard
 from torchrec.distributed.test_utils.reshard_model_utils import (
     global_model_state,
