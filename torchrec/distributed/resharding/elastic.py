@@ -55,7 +55,6 @@ from torchrec.distributed.resharding.elastic_plan import (
     check_move_agreement,
     dense_specs,
     MoveFacts,
-    plan_layouts,
     plan_placements,
     ranks_digest,
     tables_digest,
@@ -63,7 +62,7 @@ from torchrec.distributed.resharding.elastic_plan import (
 )
 from torchrec.distributed.resharding.exchange import broadcast_dense
 from torchrec.distributed.resharding.exchange_group import ExchangeGroup
-from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.kept_grouping import direct_output_order
 from torchrec.distributed.resharding.kept_step import KeptStorageStep
 from torchrec.distributed.resharding.kernel_state import (
@@ -99,6 +98,7 @@ from torchrec.distributed.resharding.runner import (
     TransactionLayouts,
 )
 from torchrec.distributed.resharding.transaction_report import TransactionReport
+from torchrec.distributed.resharding.whole_plan import plan_layouts, sharding_unchanged
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -145,12 +145,9 @@ def _unchanged_tables(
         for config in adapter_for(module).configs():
             name = config.name
             old_ps, new_ps = model.plan.plan[path][name], new_plan.plan[path][name]
-            same_kind = (old_ps.sharding_type, old_ps.compute_kernel) == (
-                new_ps.sharding_type,
-                new_ps.compute_kernel,
-            )
-            key = table_key(path, name)
-            if same_kind and old[key] == new[key] and not old[key].replicated:
+            key = TableKey(path, name)
+            unchanged = sharding_unchanged(old_ps, new_ps, old[key], new[key])
+            if unchanged and not old[key].replicated:
                 out.setdefault(path, set()).add(name)
     return out
 

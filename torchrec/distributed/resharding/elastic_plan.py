@@ -13,7 +13,8 @@ kernels).
 
 A move is numbered in its participants: the union of the old and the new
 group, sorted by global rank; a transaction rank is a position in it. Layouts
-of a plan are read once, in that numbering (:func:`plan_layouts`). Before
+of a plan are read once, in that numbering (``whole_plan.plan_layouts``,
+where every operation on a whole plan lives). Before
 anything moves, every participant states its facts (:class:`MoveFacts`, as
 large as its own part: the groups, the plan and the dense part travel whole
 only from the first rank of the old group, the others send digests of
@@ -29,11 +30,10 @@ from torchrec.distributed.resharding.device_memory import placement_of, TablePla
 from torchrec.distributed.resharding.fields import (
     Field,
     merge_table_facts,
-    table_key,
     TableFacts,
+    TableKey,
 )
 from torchrec.distributed.resharding.plan import (
-    layout_from_parameter_sharding,
     PlacedShard,
     Rect,
     ReshardError,
@@ -41,14 +41,15 @@ from torchrec.distributed.resharding.plan import (
 )
 from torchrec.distributed.resharding.plan_validation import (
     MOVABLE_COMPUTE_KERNELS,
-    sharding_plan_text,
     text_digest,
     validate_parameter_sharding,
 )
+from torchrec.distributed.resharding.whole_plan import (  # noqa: F401
+    plan_digest,
+    plan_layouts,
+    TableShape,
+)
 from torchrec.distributed.types import ShardingPlan
-
-# table of a module: (name, rows, columns)
-TableShape = Tuple[str, int, int]
 
 
 @dataclass(frozen=True)
@@ -79,31 +80,6 @@ def dense_specs(tensors: Mapping[str, torch.Tensor]) -> List[DenseSpec]:
     return [DenseSpec(n, tuple(t.shape), t.dtype) for n, t in sorted(tensors.items())]
 
 
-def plan_layouts(
-    plan: ShardingPlan,
-    tables: Mapping[str, Sequence[TableShape]],
-    ranks: Sequence[int],
-) -> Dict[str, TableLayout]:
-    """
-    Args:
-        plan (ShardingPlan): a plan for a group (group-local placements).
-        tables (Mapping[str, Sequence[TableShape]]): module path -> tables.
-        ranks (Sequence[int]): the transaction rank of each group-local rank.
-
-    Returns:
-        Dict[str, TableLayout]: "path:table" -> its layout, in transaction
-        ranks.
-    """
-    out: Dict[str, TableLayout] = {}
-    numbering = dict(enumerate(ranks))
-    for path, shapes in sorted(tables.items()):
-        for name, rows, cols in shapes:
-            ps = plan.plan[path][name]
-            layout = layout_from_parameter_sharding(ps, rows, cols, len(ranks))
-            out[table_key(path, name)] = layout.remap_ranks(numbering)
-    return out
-
-
 def plan_placements(
     plan: ShardingPlan,
     tables: Mapping[str, Sequence[TableShape]],
@@ -132,7 +108,7 @@ def plan_placements(
                     "cache_load_factor": cache.load_factor,
                     "cache_algorithm": cache.algorithm,
                 }
-            out[table_key(path, name)] = placement_of(
+            out[TableKey(path, name)] = placement_of(
                 ps.compute_kernel, device_type, ps.sharding_type, fused
             )
     return out
@@ -143,7 +119,7 @@ def whole_on(
 ) -> Dict[str, TableLayout]:
     """Every table whole on one (transaction) rank."""
     return {
-        table_key(path, name): TableLayout(
+        TableKey(path, name): TableLayout(
             rows, cols, (PlacedShard(rank, Rect(0, 0, rows, cols)),)
         )
         for path, shapes in sorted(tables.items())
@@ -153,10 +129,6 @@ def whole_on(
 
 def request_digest(*parts: str) -> int:
     return text_digest("\n".join(parts))
-
-
-def plan_digest(plan: ShardingPlan) -> int:
-    return text_digest(sharding_plan_text(plan))
 
 
 @dataclass
@@ -251,7 +223,7 @@ class AgreedMove:
     def fields(self) -> Dict[str, Tuple[Field, ...]]:
         """The fields of every table, by "path:table"."""
         return {
-            table_key(path, name): self.table_facts[path].fields_of(name)
+            TableKey(path, name): self.table_facts[path].fields_of(name)
             for path, shapes in self.tables.items()
             for name, _, _ in shapes
         }

@@ -30,9 +30,74 @@ from torchrec.distributed.resharding.transfer_bytes import PieceCost
 WEIGHT = "weight"
 
 
-def table_key(path: str, table: str) -> str:
-    """The name of a module's table within a transaction: "path:table"."""
-    return f"{path}:{table}"
+class TableKey(str):
+    """
+    A module's table within a transaction or a plan: its module path and its
+    table name.
+
+    The key is its own stable string form, "path:table" (the path may hold
+    ":" itself, the table name may not), so it hashes, sorts, digests, logs
+    and travels between ranks exactly as that string: every rank orders and
+    digests keys the same way, and a key equals the string form older callers
+    built by hand. ``TableKey.parse`` reads the form back.
+
+    Args:
+        path (str): the sharded module's path in the model ("" for the root).
+        table (str): the table's name in that module.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, path: str, table: str) -> "TableKey":
+        if ":" in table:
+            raise ValueError(f"table name {table!r} of a TableKey holds ':'")
+        return super().__new__(cls, f"{path}:{table}")
+
+    def __getnewargs__(self) -> Tuple[str, str]:  # type: ignore[override]
+        return (self.path, self.table)
+
+    @property
+    def path(self) -> str:
+        """The module path."""
+        return str.rpartition(self, ":")[0]
+
+    @property
+    def table(self) -> str:
+        """The table name."""
+        return str.rpartition(self, ":")[2]
+
+    @classmethod
+    def parse(cls, text: str) -> "TableKey":
+        """
+        The key whose string form is ``text``.
+
+        Args:
+            text (str): "path:table", as ``str(key)`` writes it.
+
+        Returns:
+            TableKey: the key, equal to ``text``.
+
+        Raises:
+            ValueError: when ``text`` has no ":".
+        """
+        path, sep, table = str(text).rpartition(":")
+        if not sep:
+            raise ValueError(f"{text!r} is not a table key 'path:table'")
+        return cls(path, table)
+
+
+def table_key(path: str, table: str) -> TableKey:
+    """
+    The key of a module's table: ``TableKey(path, table)``.
+
+    Args:
+        path (str): the module path.
+        table (str): the table name.
+
+    Returns:
+        TableKey: the key (a ``str`` "path:table", as before).
+    """
+    return TableKey(path, table)
 
 
 class FieldKind(enum.Enum):

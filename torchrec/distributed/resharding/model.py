@@ -26,46 +26,8 @@ from torchrec.distributed.resharding.plan_validation import sharding_plan_text
 from torchrec.distributed.resharding.reshard import ModuleReshard
 from torchrec.distributed.resharding.runner import described, run_transaction
 from torchrec.distributed.resharding.transaction_report import TransactionReport
+from torchrec.distributed.resharding.whole_plan import plan_delta
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
-
-
-def plan_delta(
-    old_plan: ShardingPlan, new_plan: ShardingPlan
-) -> Dict[str, Dict[str, ParameterSharding]]:
-    """
-    The tables whose sharding differs between two plans, per module path.
-
-    Args:
-        old_plan (ShardingPlan): the plan the model runs under.
-        new_plan (ShardingPlan): the plan to move to.
-
-    Returns:
-        Dict[str, Dict[str, ParameterSharding]]: module path -> {table: new
-        ParameterSharding}, only modules with changes, paths sorted.
-
-    Raises:
-        ReshardError: when the plans do not cover the same modules and tables.
-    """
-    old_paths = set(old_plan.plan)
-    new_paths = set(new_plan.plan)
-    if old_paths != new_paths:
-        raise ReshardError(
-            "the new plan must cover the same sharded modules: missing "
-            f"{sorted(old_paths - new_paths)}, unknown {sorted(new_paths - old_paths)}"
-        )
-    deltas: Dict[str, Dict[str, ParameterSharding]] = {}
-    for path in sorted(old_paths):
-        old = old_plan.plan[path]
-        new = new_plan.plan[path]
-        if set(old) != set(new):
-            raise ReshardError(
-                f"module '{path}': the new plan must cover the same tables: missing "
-                f"{sorted(set(old) - set(new))}, unknown {sorted(set(new) - set(old))}"
-            )
-        changed = {t: ps for t, ps in new.items() if ps != old[t]}
-        if changed:
-            deltas[path] = changed
-    return deltas
 
 
 def _sharded_module(model: nn.Module, path: str) -> nn.Module:

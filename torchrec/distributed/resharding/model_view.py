@@ -22,16 +22,15 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.elastic_plan import (
     MoveFacts,
-    plan_digest,
     ranks_digest,
     tables_digest,
-    TableShape,
 )
-from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.optimizer_state import local_table_facts
 from torchrec.distributed.resharding.plan import ReshardError
 from torchrec.distributed.resharding.slots import keyed_slots, LocalSlot, SlotKey
+from torchrec.distributed.resharding.whole_plan import plan_digest, TableShape
 from torchrec.distributed.train_pipeline.utils import BaseForward
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import data_type_to_dtype
@@ -118,7 +117,7 @@ def sharded_slots(root: nn.Module) -> Dict[SlotKey, LocalSlot]:
     for path, module in sharded_modules(root).items():
         adapter = adapter_for(module)
         slots = adapter.local_slots(adapter.lookups())
-        out.update(keyed_slots(slots, lambda t, p=path: table_key(p, t)))
+        out.update(keyed_slots(slots, lambda t, p=path: TableKey(p, t)))
     return out
 
 

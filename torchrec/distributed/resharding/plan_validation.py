@@ -28,6 +28,7 @@ from torch.distributed._shard.sharding_spec._internals import (
     validate_non_overlapping_shards_metadata,
 )
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     ReshardError,
@@ -259,7 +260,7 @@ def sharding_plan_text(plan: Any) -> str:
         that holds an equal plan.
     """
     return "\n".join(
-        f"{path}:{table}={describe_parameter_sharding(ps)}"
+        f"{TableKey(path, table)}={describe_parameter_sharding(ps)}"
         for path in sorted(plan.plan)
         for table, ps in sorted(plan.plan[path].items())
     )

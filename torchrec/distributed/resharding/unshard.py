@@ -32,10 +32,8 @@ from torchrec.distributed.resharding.elastic_plan import (
     dense_specs,
     DenseSpec,
     MoveFacts,
-    plan_layouts,
     plan_placements,
     tables_digest,
-    TableShape,
     validate_new_plan,
     whole_on,
 )
@@ -44,7 +42,7 @@ from torchrec.distributed.resharding.exchange_group import (
     ExchangeGroup,
     normalized_device,
 )
-from torchrec.distributed.resharding.fields import Field, FieldKind, table_key, WEIGHT
+from torchrec.distributed.resharding.fields import Field, FieldKind, TableKey, WEIGHT
 from torchrec.distributed.resharding.kernel_state import invalidate_caches
 from torchrec.distributed.resharding.model_build import (
     build_model,
@@ -78,6 +76,7 @@ from torchrec.distributed.resharding.runner import (
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.storage import KeptStorage
 from torchrec.distributed.resharding.transaction_report import TransactionReport
+from torchrec.distributed.resharding.whole_plan import plan_layouts, TableShape
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
 # module path -> table -> fused optimizer state key -> the whole table's state
@@ -116,7 +115,7 @@ def _plain_slots(
     out: Dict[SlotKey, LocalSlot] = {}
     for path, module in modules.items():
         for name, rows, cols in plain_tables(module):
-            key = table_key(path, name)
+            key = TableKey(path, name)
             whole = Rect(0, 0, rows, cols)
             tensors = {WEIGHT: plain_weight(module, name).detach()}
             kinds = {WEIGHT: FieldKind.RECT}
@@ -357,7 +356,7 @@ class ShardFromRank(Participant[_SourceFacts, _Sources]):
     def agreed(self, merged: _Sources) -> TransactionLayouts:
         self._agreed = merged
         self._fields = {
-            table_key(path, name): (Field(WEIGHT, FieldKind.RECT, dtype),)
+            TableKey(path, name): (Field(WEIGHT, FieldKind.RECT, dtype),)
             for path, name, dtype in plain_weight_dtypes(self._module, merged.tables)
         }
         positions = list(range(len(self._ranks)))

@@ -29,16 +29,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.elastic import ModelMove
-from torchrec.distributed.resharding.elastic_plan import (
-    dense_specs,
-    MoveFacts,
-    plan_layouts,
-)
+from torchrec.distributed.resharding.elastic_plan import dense_specs, MoveFacts
 from torchrec.distributed.resharding.fault.recovery_plan import RecoveryPlan
 from torchrec.distributed.resharding.fault.sources import (
     AgreedSources,
     recovery_old_layouts,
 )
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.model_view import (
     dense_tensors,
     sharded_modules,
@@ -48,6 +45,7 @@ from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.runner import run_transaction, Slots
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.transaction_report import TransactionReport
+from torchrec.distributed.resharding.whole_plan import plan_layouts
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -106,7 +104,8 @@ class Recovery(ModelMove):
         facts.dense = dense_specs(dense_tensors(model.module)) if first else None
         # the fields of lost tables come with the pieces this rank provides
         for piece in self._sources.held_by(self._me):
-            path, _, name = piece.key.rpartition(":")
+            parsed = TableKey.parse(piece.key)
+            path, name = parsed.path, parsed.table
             table_facts = facts.table_facts
             assert table_facts is not None
             table_facts[path].fields.setdefault(

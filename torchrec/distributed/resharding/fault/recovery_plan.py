@@ -33,8 +33,7 @@ from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
 from torch import nn
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.resharding.elastic_plan import plan_layouts, TableShape
-from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import (
     layout_from_parameter_sharding,
     PlacedShard,
@@ -42,9 +41,12 @@ from torchrec.distributed.resharding.plan import (
     ReshardError,
     TableLayout,
 )
-from torchrec.distributed.resharding.rebalance.placement import (
+from torchrec.distributed.resharding.rebalance.placement import sharding_for_layout
+from torchrec.distributed.resharding.whole_plan import (
     module_plan,
-    sharding_for_layout,
+    plan_layouts,
+    plan_of,
+    TableShape,
 )
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
@@ -254,7 +256,7 @@ def plan_for_survivors(
         )
         new_module = EmbeddingModuleShardingPlan()
         for name, _, _ in tables[path]:
-            key, ps = table_key(path, name), shardings[name]
+            key, ps = TableKey(path, name), shardings[name]
             layout = old_layouts[key]
             if ps.sharding_type == ShardingType.DATA_PARALLEL.value:
                 replicated.append(key)
@@ -290,11 +292,11 @@ def plan_for_survivors(
     _count_row_wise(modules, tables, loads, element_bytes)
     _place_lost(kept, loads, element_bytes)
     for key, layout in kept.items():
-        path, _, name = key.rpartition(":")
-        modules[path][name] = sharding_for_layout(
-            modules[path][name], layout, device_of
+        parsed = TableKey.parse(key)
+        modules[parsed.path][parsed.table] = sharding_for_layout(
+            modules[parsed.path][parsed.table], layout, device_of
         )
-    plan = ShardingPlan(dict(modules))
+    plan = plan_of(modules)
     new_layouts = plan_layouts(plan, tables, survivors)
     return RecoveryPlan(
         plan,
@@ -335,7 +337,7 @@ def _count_row_wise(
             ps = modules[path][name]
             if ps.sharding_type != ShardingType.ROW_WISE.value:
                 continue
-            key = table_key(path, name)
+            key = TableKey(path, name)
             for rank, shard in zip(
                 ps.ranks or [], ps.sharding_spec.shards
             ):  # pyre-ignore

@@ -39,15 +39,15 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.resharding.elastic_plan import plan_digest
 from torchrec.distributed.resharding.fault.options import FaultOptions
 from torchrec.distributed.resharding.fault.sources import SnapshotOffer, SourcePiece
-from torchrec.distributed.resharding.fields import Field, FieldKind, table_key
+from torchrec.distributed.resharding.fields import Field, FieldKind, TableKey
 from torchrec.distributed.resharding.kernel_state import batched_kernels, shard_rect
 from torchrec.distributed.resharding.model_view import sharded_modules, sharded_slots
 from torchrec.distributed.resharding.module_adapters import adapter_for
 from torchrec.distributed.resharding.plan import Rect
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
+from torchrec.distributed.resharding.whole_plan import plan_digest
 from torchrec.distributed.types import ShardingType
 
 logger: logging.Logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class BuddySnapshot:
                             == ShardingType.DATA_PARALLEL.value
                         ):
                             continue  # a replica on every rank: not snapshotted
-                        key = (table_key(path, table.name), shard_rect(table))
+                        key = (TableKey(path, table.name), shard_rect(table))
                         mask = torch.zeros(key[1].rows, dtype=torch.bool)
                         self._touched[key] = mask
                         for feature in table.feature_names:

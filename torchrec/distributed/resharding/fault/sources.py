@@ -29,7 +29,6 @@ moves them like any shard.
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from torchrec.distributed.resharding.elastic_plan import plan_layouts, TableShape
 from torchrec.distributed.resharding.fault.options import (
     CHECKPOINT,
     REPLICA,
@@ -39,6 +38,7 @@ from torchrec.distributed.resharding.fault.options import (
 from torchrec.distributed.resharding.fault.recovery_plan import LostShard, RecoveryPlan
 from torchrec.distributed.resharding.fields import Field, piece_cost
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.whole_plan import plan_layouts, TableShape
 from torchrec.distributed.types import ShardingPlan
 
 # a table's fields, by table key, as picklable pairs

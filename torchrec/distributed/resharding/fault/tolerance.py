@@ -53,7 +53,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.resharding.agreement import agree_among_ranks, job_store
-from torchrec.distributed.resharding.elastic_plan import plan_digest, TableShape
 from torchrec.distributed.resharding.fault.checkpoint import (
     load_pieces,
     save_checkpoint,
@@ -85,6 +84,7 @@ from torchrec.distributed.resharding.fault.sources import (
     choose_sources,
     SourceFacts,
 )
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.model_build import unsharded_definition
 from torchrec.distributed.resharding.model_view import (
     plain_weight_dtypes,
@@ -97,6 +97,7 @@ from torchrec.distributed.resharding.plan_validation import (
     text_digest,
 )
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
+from torchrec.distributed.resharding.whole_plan import plan_digest, TableShape
 from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -485,7 +486,7 @@ def _element_bytes(
 ) -> Dict[str, int]:
     """Bytes per element of each table's weight (to balance lost shards)."""
     return {
-        f"{path}:{name}": dtype.itemsize
+        TableKey(path, name): dtype.itemsize
         for path, name, dtype in plain_weight_dtypes(definition, tables)
     }
 
@@ -499,7 +500,7 @@ def _replica_bytes(
     """Bytes of the data-parallel replicas the lost ranks held."""
     lost = len(set(old_ranks) - set(recovery.survivors))
     sizes = {
-        f"{p}:{n}": rows * cols
+        TableKey(p, n): rows * cols
         for p, shapes in tables.items()
         for n, rows, cols in shapes
     }

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.elastic_plan import TableLayout
-from torchrec.distributed.resharding.fields import table_key
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.rebalance.costs import Proposal, StepPrediction
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
@@ -193,4 +193,4 @@ def over_memory(
 
 def changed_tables(delta: Mapping[str, Mapping[str, object]]) -> Tuple[str, ...]:
     """Keys of the tables of a plan delta (module path -> table), sorted."""
-    return tuple(sorted(table_key(p, t) for p in delta for t in delta[p]))
+    return tuple(sorted(TableKey(p, t) for p in delta for t in delta[p]))

@@ -25,19 +25,15 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.resharding.elastic_plan import (
+from torchrec.distributed.resharding.fields import TableKey
+from torchrec.distributed.resharding.plan import PlacedShard, TableLayout
+from torchrec.distributed.resharding.whole_plan import (
+    module_plan,
     plan_layouts,
-    table_key,
+    replace_shardings,
     TableShape,
 )
-from torchrec.distributed.resharding.plan import PlacedShard, TableLayout
-from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
-    ModuleShardingPlan,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-)
+from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
 MOVABLE_TYPES: Tuple[str, ...] = (
     ShardingType.TABLE_WISE.value,
@@ -67,8 +63,8 @@ class TableInfo:
     element_bytes: int
 
     @property
-    def key(self) -> str:
-        return table_key(self.path, self.name)
+    def key(self) -> TableKey:
+        return TableKey(self.path, self.name)
 
 
 @dataclass(frozen=True)
@@ -149,13 +145,6 @@ def placement_from_tables(tables: Sequence[TableInfo], world_size: int) -> Place
     return Placement(ordered, world_size, tuple(units))
 
 
-def module_plan(plan: ShardingPlan, path: str) -> EmbeddingModuleShardingPlan:
-    """A module's plan, typed (``ShardingPlan.plan`` holds untyped values)."""
-    found = plan.plan[path]
-    assert isinstance(found, EmbeddingModuleShardingPlan), type(found)
-    return found
-
-
 def placement_of(
     plan: ShardingPlan,
     tables: Mapping[str, Sequence[TableShape]],
@@ -177,7 +166,7 @@ def placement_of(
     for path, shapes in tables.items():
         shardings = module_plan(plan, path)
         for name, _, _ in shapes:
-            key = table_key(path, name)
+            key = TableKey(path, name)
             kind = shardings[name].sharding_type
             infos.append(TableInfo(path, name, kind, layouts[key], element_bytes[key]))
     return placement_from_tables(infos, world_size)
@@ -277,14 +266,13 @@ def plan_with_layouts(
         engine's ``plan_delta`` sees exactly the moved tables.
     """
     keys = {(t.path, t.name): t.key for t in placement.tables}
-    modules: Dict[str, ModuleShardingPlan] = {}
-    for path in plan.plan:
-        new = EmbeddingModuleShardingPlan(module_plan(plan, path))
-        for name, sharding in new.items():
-            key = keys[(path, name)]
-            if key in layouts:
-                new[name] = sharding_for_layout(sharding, layouts[key], device_of)
-            if sharding_types and key in sharding_types:
-                new[name] = replace(new[name], sharding_type=sharding_types[key])
-        modules[path] = new
-    return ShardingPlan(modules)
+
+    def laid_out(table: TableKey, sharding: ParameterSharding) -> ParameterSharding:
+        key = keys[(table.path, table.table)]  # every table of the plan is placed
+        if key in layouts:
+            sharding = sharding_for_layout(sharding, layouts[key], device_of)
+        if sharding_types and key in sharding_types:
+            sharding = replace(sharding, sharding_type=sharding_types[key])
+        return sharding
+
+    return replace_shardings(plan, laid_out)

@@ -44,9 +44,8 @@ from torch import nn
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.resharding.agreement import agree_among_ranks
-from torchrec.distributed.resharding.elastic_plan import TableShape
-from torchrec.distributed.resharding.fields import table_key
-from torchrec.distributed.resharding.model import dry_run, plan_delta
+from torchrec.distributed.resharding.fields import TableKey
+from torchrec.distributed.resharding.model import dry_run
 from torchrec.distributed.resharding.model_view import (
     model_env,
     model_sharders,
@@ -89,7 +88,6 @@ from torchrec.distributed.resharding.rebalance.options import (
 )
 from torchrec.distributed.resharding.rebalance.placement import (
     device_for_rank,
-    module_plan,
     Placement,
     placement_of,
 )
@@ -116,10 +114,13 @@ from torchrec.distributed.resharding.rebalance.replan import (
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.transaction_report import TransactionReport
+from torchrec.distributed.resharding.whole_plan import (
+    plan_delta,
+    plan_with_delta,
+    TableShape,
+)
 from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ModuleSharder,
-    ModuleShardingPlan,
     ParameterSharding,
     ShardingPlan,
     ShardingType,
@@ -141,16 +142,6 @@ class _ModelView:
     element_bytes: Dict[str, int]
     placement: Placement
     digest: int
-
-
-def plan_with_delta(plan: ShardingPlan, delta: Delta) -> ShardingPlan:
-    """A new plan: ``plan`` with the shardings of ``delta`` (module path -> table)."""
-    modules: Dict[str, ModuleShardingPlan] = {}
-    for path in plan.plan:
-        shardings = EmbeddingModuleShardingPlan(module_plan(plan, path))
-        shardings.update(delta.get(path, {}))
-        modules[path] = shardings
-    return ShardingPlan(modules)
 
 
 def _first_post(facts: List[Any]) -> Any:
@@ -343,7 +334,7 @@ class Rebalancer:
             tables[path] = sharded_tables(module)
             for c in adapter_for(module).configs():
                 dtype = data_type_to_dtype(c.data_type)
-                itemsize[table_key(path, c.name)] = dtype.itemsize
+                itemsize[TableKey(path, c.name)] = dtype.itemsize
         element_bytes = {
             k: int(round(v * self._state_factor)) for k, v in itemsize.items()
         }

@@ -23,27 +23,23 @@ ranks are only permuted within their host, so every host keeps its tables.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
-from torchrec.distributed.resharding.elastic_plan import (
-    plan_layouts,
-    table_key,
-    TableShape,
-)
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.rebalance.placement import (
     device_for_rank,
-    module_plan,
     sharding_for_layout,
 )
-from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
-    ModuleShardingPlan,
-    ShardingPlan,
-    ShardingType,
+from torchrec.distributed.resharding.whole_plan import (
+    module_plan,
+    plan_layouts,
+    replace_shardings,
+    TableShape,
 )
+from torchrec.distributed.types import ParameterSharding, ShardingPlan, ShardingType
 
 # Tables whose placement a rank permutation leaves as the candidate has it.
 FIXED_PLACEMENT_TYPES: Tuple[str, ...] = (
@@ -199,7 +195,7 @@ def relabel_plan(
     old = plan_layouts(current, tables, ranks)
     new = plan_layouts(candidate, tables, ranks)
     kinds = {
-        table_key(path, name): ps.sharding_type
+        TableKey(path, name): ps.sharding_type
         for path in tables
         for name, ps in module_plan(candidate, path).items()
     }
@@ -220,18 +216,15 @@ def relabel_plan(
     if after <= raw:  # nothing to gain: never move more
         return Relabelling(candidate, identity, raw, raw, new_bytes)
     renamed = dict(enumerate(permutation))
-    modules: Dict[str, ModuleShardingPlan] = {}
-    for path in candidate.plan:
-        planned = module_plan(candidate, path)
-        relabelled = EmbeddingModuleShardingPlan(planned)
-        for name, sharding in planned.items():
-            key = table_key(path, name)
-            if kinds.get(key, sharding.sharding_type) in FIXED_PLACEMENT_TYPES:
-                continue
-            relabelled[name] = sharding_for_layout(
-                sharding,
-                new[key].remap_ranks(renamed),
-                lambda r: device_for_rank(device_type, r, lws),
-            )
-        modules[path] = relabelled
-    return Relabelling(ShardingPlan(modules), permutation, raw, after, new_bytes)
+
+    def relabelled(key: TableKey, sharding: ParameterSharding) -> ParameterSharding:
+        if kinds.get(key, sharding.sharding_type) in FIXED_PLACEMENT_TYPES:
+            return sharding
+        return sharding_for_layout(
+            sharding,
+            new[key].remap_ranks(renamed),
+            lambda r: device_for_rank(device_type, r, lws),
+        )
+
+    plan = replace_shardings(candidate, relabelled)
+    return Relabelling(plan, permutation, raw, after, new_bytes)

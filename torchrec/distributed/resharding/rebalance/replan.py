@@ -33,27 +33,27 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
-from torchrec.distributed.resharding.elastic_plan import (
-    plan_layouts,
-    table_key,
-    TableShape,
-)
-from torchrec.distributed.resharding.model import plan_delta
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.model_build import plain_twin
-from torchrec.distributed.resharding.plan import Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.relabel import relabel_plan
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
+from torchrec.distributed.resharding.whole_plan import (
+    module_plan,
+    placement_unchanged,
+    plan_delta,
+    plan_layouts,
+    replace_shardings,
+    TableShape,
+)
 from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
     ModuleSharder,
-    ModuleShardingPlan,
+    ParameterSharding,
     ShardingPlan,
     ShardingType,
 )
@@ -188,10 +188,6 @@ class ReplanRequest:
     device_type: str
 
 
-def _shards(layout: TableLayout) -> List[Tuple[int, Rect]]:
-    return sorted((s.rank, s.rect) for s in layout.shards)
-
-
 def align_with_current(
     current: ShardingPlan,
     candidate: ShardingPlan,
@@ -216,20 +212,14 @@ def align_with_current(
     ranks = list(range(world_size))
     old = plan_layouts(current, tables, ranks)
     new = plan_layouts(candidate, tables, ranks)
-    modules: Dict[str, ModuleShardingPlan] = {}
-    for path in candidate.plan:
-        kept, planned = module_plan(current, path), module_plan(candidate, path)
-        merged = EmbeddingModuleShardingPlan(planned)
-        for name, sharding in planned.items():
-            key = table_key(path, name)
-            if (
-                kept[name].sharding_type == sharding.sharding_type
-                and kept[name].compute_kernel == sharding.compute_kernel
-                and _shards(old[key]) == _shards(new[key])
-            ):
-                merged[name] = kept[name]
-        modules[path] = merged
-    return ShardingPlan(modules)
+
+    def merged(key: TableKey, sharding: ParameterSharding) -> ParameterSharding:
+        kept = module_plan(current, key.path)[key.table]
+        if placement_unchanged(kept, sharding, old[key], new[key]):
+            return kept
+        return sharding
+
+    return replace_shardings(candidate, merged)
 
 
 def needs_dense_rebuild(current: ShardingPlan, candidate: ShardingPlan) -> List[str]:
@@ -248,7 +238,7 @@ def needs_dense_rebuild(current: ShardingPlan, candidate: ShardingPlan) -> List[
                 old[table].compute_kernel,
                 new.compute_kernel,
             ):
-                out.append(table_key(path, table))
+                out.append(TableKey(path, table))
     return sorted(out)
 
 

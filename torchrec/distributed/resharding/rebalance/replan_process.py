@@ -51,13 +51,13 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
-from torchrec.distributed.resharding.elastic_plan import TableShape
 from torchrec.distributed.resharding.rebalance.replan import (
     full_replan,
     Replanner,
     ReplanRequest,
     ReplanResult,
 )
+from torchrec.distributed.resharding.whole_plan import plan_of, TableShape
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ModuleSharder,
@@ -191,11 +191,9 @@ def plan_from_data(data: PlanData) -> ShardingPlan:
     Returns:
         ShardingPlan: a new plan, equal to the one written.
     """
-    return ShardingPlan(
+    return plan_of(
         {
-            path: EmbeddingModuleShardingPlan(
-                {t: _sharding_from_data(s) for t, s in tables.items()}
-            )
+            path: {t: _sharding_from_data(s) for t, s in tables.items()}
             for path, tables in data.items()
         }
     )

@@ -24,6 +24,8 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from torchrec.distributed.resharding.fields import TableKey
+
 # The per-rank figures of a window, in the order they are packed.
 RANK_FIELDS: Tuple[str, ...] = (
     "steps",
@@ -144,7 +146,7 @@ class LoadStatistics:
         """A digest of every figure: equal on ranks that reduced the same sums."""
         h = hashlib.sha256(str(self.steps).encode())
         for load in self.tables:
-            h.update(f"{load.path}/{load.table}".encode())
+            h.update(str(TableKey(load.path, load.table)).encode())
             for pf in load.pooling_factors:
                 h.update(struct.pack("<d", -1.0 if pf is None else pf))
             h.update(struct.pack("<d", load.ids_per_step))

@@ -13,16 +13,20 @@ piece's rectangle, what a piece costs on the wire, and the union of the
 ranks' table facts.
 """
 
+import pickle
 import unittest
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
+from hypothesis import given, settings, strategies as st
 from torchrec.distributed.resharding.fields import (
     Field,
     FieldKind,
     merge_table_facts,
     piece_cost,
+    table_key,
     TableFacts,
+    TableKey,
 )
 from torchrec.distributed.resharding.plan import Rect, Transfer
 
@@ -63,6 +67,47 @@ class FieldsTest(unittest.TestCase):
         renamed = merged.renamed({"y": "m:y"})
         self.assertEqual(renamed.fields, {"m:y": (half,)})
         self.assertEqual(renamed.fields_of("x"), ())
+
+
+# module paths and table names as models name them ("" is the root module)
+paths: st.SearchStrategy[str] = st.sampled_from(
+    ["", "ebc", "sparse.ebc", "a:b", "sparse.ebc_2", "z"]
+)
+names: st.SearchStrategy[str] = st.sampled_from(["t", "t0", "t_1", "big.t", "u"])
+
+
+class TableKeyTest(unittest.TestCase):
+    @settings(max_examples=60, deadline=None)
+    # pyre-ignore[56]
+    @given(st.lists(st.tuples(paths, names), min_size=1, max_size=8))
+    def test_the_string_form_orders_hashes_and_parses(
+        self, pairs: List[Tuple[str, str]]
+    ) -> None:
+        keys = [TableKey(p, t) for p, t in pairs]
+        texts = [p + ":" + t for p, t in pairs]  # the form callers built by hand
+        self.assertEqual([str(k) for k in keys], texts)
+        self.assertEqual(keys, texts)
+        self.assertEqual(sorted(keys), sorted(texts))
+        self.assertEqual({hash(k) for k in keys}, {hash(t) for t in texts})
+        self.assertEqual(repr(keys), repr(texts))  # digests of a repr stay equal
+        for key, (p, t) in zip(keys, pairs):
+            self.assertEqual((key.path, key.table), (p, t))
+            parsed = TableKey.parse(str(key))
+            self.assertIsInstance(parsed, TableKey)
+            self.assertEqual((parsed.path, parsed.table), (p, t))
+            again = pickle.loads(pickle.dumps(key))
+            self.assertIsInstance(again, TableKey)
+            self.assertEqual((again.path, again.table), (p, t))
+            self.assertEqual(table_key(p, t), key)
+            self.assertIsInstance(table_key(p, t), TableKey)
+
+    def test_malformed(self) -> None:
+        with self.assertRaisesRegex(ValueError, "holds ':'"):
+            TableKey("ebc", "a:b")
+        with self.assertRaisesRegex(ValueError, "not a table key"):
+            TableKey.parse("no-separator")
+        with self.assertRaises(AttributeError):
+            TableKey("ebc", "t").path = "other"  # pyre-ignore[41]
 
 
 if __name__ == "__main__":
