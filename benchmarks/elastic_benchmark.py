@@ -219,6 +219,7 @@ def plan_group_move(move: GroupMove) -> GroupMoveDryRun:
     Returns:
         GroupMoveDryRun: bytes per global rank.
     """
+    from torchrec.distributed.resharding.fields import TableKey
     from torchrec.distributed.resharding.transfer_plan import plan_table_transfers
 
     out = GroupMoveDryRun()
@@ -227,7 +228,7 @@ def plan_group_move(move: GroupMove) -> GroupMoveDryRun:
         out.bytes_received[rank] = 0
         out.bytes_copied_locally[rank] = 0
     for path, name, old, new, cost in move.table_layouts():
-        key = f"{path}:{name}"
+        key = TableKey(path, name)
         moved = False
         for t in plan_table_transfers(key, old, new):
             nbytes = t.rect.numel * cost.per_element + t.rect.rows * cost.per_row

@@ -95,7 +95,7 @@ from torchrec.distributed.resharding.exchange_groups import (
     kept_exchange_groups,
     same_kept_group,
 )
-from torchrec.distributed.resharding.fields import Field, piece_cost
+from torchrec.distributed.resharding.fields import Field, piece_cost, TableKey
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.plan import (
     ReshardAbortedError,
@@ -122,8 +122,11 @@ Slots = Mapping[SlotKey, LocalSlot]
 
 
 def _split_key(key: str) -> Tuple[str, str]:
-    path, _, table = key.rpartition(":")
-    return path, table
+    """A transaction's key: a ``TableKey``, or a bare table name (path "")."""
+    if ":" not in key:
+        return "", key
+    parsed = TableKey.parse(key)
+    return parsed.path, parsed.table
 
 
 def described(render: Callable[[Any], str], value: Any) -> str:
