@@ -308,3 +308,77 @@ class SplitPlanTest(unittest.TestCase):
         )
         # the untouched table keeps its sharding object
         self.assertIs(new.plan[EBC_PATH]["t1"], plan.plan[EBC_PATH]["t1"])
+
+
+class MakeRoomTest(unittest.TestCase):
+    """
+    Three ranks: ``hot`` (8 columns, 1 per column) alone on rank 0; ``a``
+    (not splittable) and ``c`` on rank 1, ``b`` (4, not splittable) on rank
+    2. The narrowest piece of ``hot`` (4 columns) fits on no other rank as
+    it is (rank 2 would reach 8, rank 1 more): rank 1 first hands on ``c``
+    to rank 2, whole or a piece of it, whichever leaves the two lower.
+    """
+
+    def _search(  # pyre-ignore
+        self, a_per_col: float, c_per_col: float, capacity: float = 1e12
+    ):
+        hot = TableLayout(ROWS, 8, (PlacedShard(0, Rect(0, 0, ROWS, 8)),))
+        tables = [
+            TableInfo("m", "hot", "table_wise", hot, BYTES),
+            _table("a", "table_wise", [(1, 0, DIM)]),
+            _table("b", "table_wise", [(2, 0, DIM)]),
+            _table("c", "table_wise", [(1, 0, DIM)]),
+        ]
+        placement = placement_from_tables(tables, 3)
+        per_col = {"hot": 1.0, "a": a_per_col, "b": 0.25, "c": c_per_col}
+        costs = _costs(placement, per_col)
+        loads = [0.0] * 3
+        for unit, cost in zip(placement.units, costs):
+            loads[unit.rank] += cost
+        args = (placement, loads, costs, [1e12, 1e12, capacity], {"m:hot", "m:c"})
+        return search_splits(*args, max_splits=1), search_splits(*args, max_splits=1)
+
+    def _shards(self, result) -> Dict[str, List[Tuple[int, int, int]]]:  # pyre-ignore
+        return {
+            key: [(s.rank, s.rect.col, s.rect.cols) for s in layout.shards]
+            for key, layout in result.layouts.items()
+        }
+
+    def test_the_receiver_hands_on_a_shard_whole(self) -> None:
+        # rank 1: a 3.5 + c 3, 10.5 with the piece; c whole onto rank 2
+        # leaves 7.5 and 7; the piece of c that best evens them (12
+        # columns at most) leaves 8.25
+        result, again = self._search(0.21875, 0.1875)
+        self.assertEqual(
+            self._shards(result),
+            {"m:hot": [(0, 0, 4), (1, 4, 4)], "m:c": [(2, 0, DIM)]},
+        )
+        self.assertEqual(
+            result.sharding_types, {"m:hot": "column_wise", "m:c": "table_wise"}
+        )
+        self.assertEqual(result.loads, (4.0, 7.5, 7.0))
+        self.assertEqual((result.slowest_before, result.slowest_after), (8.0, 7.5))
+        piece, whole_c = ROWS * 4 * BYTES, ROWS * DIM * BYTES
+        self.assertEqual(result.rank_bytes, (piece, piece + whole_c, whole_c))
+        self.assertEqual(again, result)
+        # no room for c on rank 2: nothing is split
+        result, _ = self._search(0.21875, 0.1875, capacity=ROWS * DIM * BYTES + 1)
+        self.assertEqual((result.splits, result.layouts), (0, {}))
+
+    def test_the_receiver_hands_on_a_piece(self) -> None:
+        # rank 1: a 1 + c 4, 9 with the piece; c whole onto rank 2 leaves
+        # 5 and 8 (not under rank 0's 8); the piece that evens them (a gap
+        # of 20 columns: 8 columns, 2) leaves 7 and 6
+        result, again = self._search(0.0625, 0.25)
+        self.assertEqual(
+            self._shards(result),
+            {"m:hot": [(0, 0, 4), (1, 4, 4)], "m:c": [(1, 0, 8), (2, 8, 8)]},
+        )
+        self.assertEqual(
+            result.sharding_types, {"m:hot": "column_wise", "m:c": "column_wise"}
+        )
+        self.assertEqual(result.loads, (4.0, 7.0, 6.0))
+        self.assertEqual(result.splits, 2)
+        piece = ROWS * 4 * BYTES
+        self.assertEqual(result.rank_bytes, (piece, 3 * piece, 2 * piece))
+        self.assertEqual(again, result)
