@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import hypothesis.strategies as st
-import torch
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -40,8 +39,8 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import one_table_ebc as zoo_one_table_ebc
 from torchrec.distributed.types import ParameterSharding, ShardingType
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 # (row, col, rows, cols, rank)
@@ -426,15 +425,15 @@ TYPE_GENERATORS = {
 def one_table_ebc(
     rows: int = TABLE_ROWS, cols: int = TABLE_COLS
 ) -> EmbeddingBagCollection:
-    """An EmbeddingBagCollection of one table ``t`` on the meta device."""
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name="t", embedding_dim=cols, num_embeddings=rows, feature_names=["f"]
-            )
-        ],
-        device=torch.device("meta"),
-    )
+    """
+    Args:
+        rows (int): the table's rows.
+        cols (int): the table's embedding dim.
+
+    Returns:
+        EmbeddingBagCollection: the zoo's one table ``t``, on the meta device.
+    """
+    return zoo_one_table_ebc(rows, cols)
 
 
 def constructed_sharding(

@@ -16,54 +16,21 @@ arch of two EmbeddingBagCollections (pooled) and an EmbeddingCollection
 from typing import Any, Dict, List, Tuple
 
 import torch
-from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
-from torchrec.distributed.test_utils.reshard_ec_utils import make_ec
+from torchrec.distributed.test_utils.model_zoo import (  # noqa: F401
+    sparse_arch,
+    SparseArch,
+)
 from torchrec.distributed.test_utils.reshard_utils import (
     make_batches,
-    make_ebc,
     make_plan,
     TableSpec,
 )
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-)
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 SPARSE_ARCH_MODULES = ("sparse_a", "sparse_b", "seq")
-
-
-class SparseArch(nn.Module):
-    """Two EBCs (pooled) and an EC (sequence), outputs flattened together."""
-
-    def __init__(
-        self,
-        sparse_a: EmbeddingBagCollection,
-        sparse_b: EmbeddingBagCollection,
-        seq: EmbeddingCollection,
-    ) -> None:
-        super().__init__()
-        self.sparse_a = sparse_a
-        self.sparse_b = sparse_b
-        self.seq = seq
-
-    def forward(self, features: Tuple[KeyedJaggedTensor, ...]) -> torch.Tensor:
-        # Pooled embeddings are read by position: a model sharded directly
-        # under the same plan must list them in the same order.
-        pooled_a = self.sparse_a(features[0]).values()
-        pooled_b = self.sparse_b(features[1]).values()
-        sequences = self.seq(features[2])
-        return torch.cat(
-            [pooled_a.flatten(), pooled_b.flatten()]
-            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
-        )
-
-
-def sparse_arch() -> SparseArch:
-    """The unsharded model, seeded: 3 + 2 pooled tables and 2 sequence tables."""
-    return SparseArch(make_ebc(3, seed=1), make_ebc(2, seed=2), make_ec(2, seed=3))
 
 
 def module_configs(model: SparseArch, name: str) -> List[Any]:

@@ -13,43 +13,16 @@ ones (plans, global state gathered with collectives, comparisons) are in
 ``reshard_utils`` and work on a ShardedEmbeddingCollection as they are.
 """
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional
 
 import torch
 from torchrec.distributed.embedding import (
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
 )
-from torchrec.distributed.test_utils.reshard_utils import fused_params, numbered_tables
-from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.distributed.test_utils.model_zoo import make_ec  # noqa: F401
+from torchrec.distributed.test_utils.reshard_utils import fused_params
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
-
-
-def make_ec(
-    num_tables: int,
-    data_type: DataType = DataType.FP32,
-    dim: int = 16,
-    rows: Optional[Sequence[int]] = None,
-    seed: int = 0,
-) -> EmbeddingCollection:
-    """
-    Args:
-        num_tables (int): number of tables "t0".."tN" with features "f0".."fN".
-        data_type (DataType): FP32, FP16 or BF16.
-        dim (int): the embedding dim (an EC needs the same dim for every table).
-        rows (Optional[Sequence[int]]): rows per table.
-        seed (int): seed of the weights.
-
-    Returns:
-        EmbeddingCollection: on CPU, with deterministic weights.
-    """
-    rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = numbered_tables(
-        EmbeddingConfig, num_tables, [dim] * num_tables, rows, data_type
-    )
-    torch.manual_seed(seed)
-    return EmbeddingCollection(tables=tables, device=torch.device("cpu"))
 
 
 def make_ec_sharder(

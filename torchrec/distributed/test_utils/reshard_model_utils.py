@@ -24,31 +24,31 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.kernel_state import batched_kernels
-from torchrec.distributed.test_utils.reshard_ec_utils import make_ec, make_ec_sharder
+from torchrec.distributed.test_utils.model_zoo import (  # noqa: F401
+    EMBEDDINGS_MODEL_DIM,
+    EmbeddingsModel,
+    equal_tables_dlrm,
+    model_definition,
+    on_meta,
+)
+from torchrec.distributed.test_utils.reshard_ec_utils import make_ec_sharder
 from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     load_global_state,
     make_batches,
-    make_ebc,
     make_plan,
     make_sharder,
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-)
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 # the world of the scenario and the groups a model moves between
 WORLD = 4
-DIM = 16
+DIM: int = EMBEDDINGS_MODEL_DIM
 GROUPS: List[List[int]] = [[0, 1, 2, 3], [0, 1], [2, 3], [0, 1, 2]]
 
 
@@ -76,98 +76,6 @@ def group_envs(
         for g, pg in groups.items()
     }
     return groups, envs
-
-
-class EmbeddingsModel(nn.Module):
-    """Pooled (EBC) and sequence (EC) embeddings and a dense layer."""
-
-    def __init__(self, ebc: EmbeddingBagCollection, ec: EmbeddingCollection) -> None:
-        super().__init__()
-        self.ebc = ebc
-        self.ec = ec
-        self.dense = nn.Linear(DIM, DIM)
-
-    def forward(self, batch: Tuple[KeyedJaggedTensor, KeyedJaggedTensor]) -> Any:
-        # by position: a model sharded directly under the same plan must list
-        # the pooled features in the same order
-        pooled = self.ebc(batch[0]).values()
-        sequences = self.ec(batch[1])
-        x = torch.cat(pooled.split(DIM, dim=1), dim=0)
-        return torch.cat(
-            [self.dense(x).flatten()]
-            + [sequences[k].values().flatten() for k in sorted(sequences.keys())]
-        )
-
-
-def equal_tables_dlrm(
-    num_tables: int,
-    rows: int,
-    dim: int,
-    dense_in: int,
-    over_arch: List[int],
-    device: torch.device,
-) -> DLRMTrain:
-    """
-    A DLRM of ``num_tables`` tables ``t{i}`` (one feature ``f{i}`` each) of the
-    same size, built from seed 0 so that every rank builds the same model: the
-    job of the demo and of the rebalance benchmark.
-
-    Args:
-        num_tables (int): number of tables.
-        rows (int): rows of each table.
-        dim (int): embedding dimension (and the dense arch's width).
-        dense_in (int): dense input features.
-        over_arch (List[int]): the over arch's layer sizes.
-        device (torch.device): the device ("meta" for the planner).
-
-    Returns:
-        DLRMTrain: the model, with its loss.
-    """
-    torch.manual_seed(0)
-    tables = [
-        EmbeddingBagConfig(
-            name=f"t{i}",
-            embedding_dim=dim,
-            num_embeddings=rows,
-            feature_names=[f"f{i}"],
-        )
-        for i in range(num_tables)
-    ]
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
-            dense_in_features=dense_in,
-            dense_arch_layer_sizes=[dim],
-            over_arch_layer_sizes=over_arch,
-            dense_device=device,
-        )
-    )
-
-
-def on_meta(module: nn.Module) -> nn.Module:
-    """The same embedding tables, built on the meta device (no weights)."""
-    meta = torch.device("meta")
-    if isinstance(module, EmbeddingCollection):
-        return EmbeddingCollection(tables=module.embedding_configs(), device=meta)
-    return EmbeddingBagCollection(tables=module.embedding_bag_configs(), device=meta)
-
-
-def model_definition(
-    device: str = "meta", seed: int = 1, ebc_rows: Optional[Sequence[int]] = None
-) -> EmbeddingsModel:
-    """
-    The model (an EBC of 4 tables, an EC of 2, dense layers), seeded; on the
-    meta device unless ``device`` is ``"cpu"``.
-    """
-    ebc = make_ebc(4, dims=[DIM] * 4, rows=ebc_rows, seed=seed)
-    ec = make_ec(2, dim=DIM, seed=seed + 1)
-    torch.manual_seed(seed + 2)
-    model = EmbeddingsModel(ebc, ec)
-    if device == "cpu":
-        return model
-    model.dense.to("meta")
-    model.ebc, model.ec = on_meta(ebc), on_meta(ec)
-    return model
 
 
 def model_specs(size: int, shift: int) -> Dict[str, Dict[str, TableSpec]]:

@@ -21,17 +21,15 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.test_utils.model_zoo import equal_tables_dlrm
 from torchrec.distributed.test_utils.reshard_utils import (
     global_optimizer_state,
     global_weights,
     make_plan,
-    numbered_tables,
     TableSpec,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -55,23 +53,14 @@ STEPS_PER_SEGMENT = 3
 
 def dlrm(seed: int) -> DLRMTrain:
     """A DLRMTrain of DLRM_TABLES tables, its dense layers seeded with ``seed``."""
-    torch.manual_seed(seed)
-    ebc = EmbeddingBagCollection(
-        tables=numbered_tables(
-            EmbeddingBagConfig,
-            DLRM_TABLES,
-            [DLRM_DIM] * DLRM_TABLES,
-            [DLRM_ROWS] * DLRM_TABLES,
-        ),
-        device=torch.device("cpu"),
-    )
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=ebc,
-            dense_in_features=DLRM_DENSE_IN,
-            dense_arch_layer_sizes=[DLRM_DIM],
-            over_arch_layer_sizes=[4, 1],
-        )
+    return equal_tables_dlrm(
+        DLRM_TABLES,
+        DLRM_ROWS,
+        DLRM_DIM,
+        DLRM_DENSE_IN,
+        [4, 1],
+        torch.device("cpu"),
+        seed=seed,
     )
 
 

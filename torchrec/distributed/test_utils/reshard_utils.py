@@ -25,8 +25,6 @@ from typing import (
     Optional,
     Sequence,
     Tuple,
-    Type,
-    TypeVar,
 )
 
 import torch
@@ -52,6 +50,10 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import (  # noqa: F401
+    make_ebc,
+    numbered_tables,
+)
 from torchrec.distributed.test_utils.multi_process_utils import (  # noqa: F401
     BoundedMultiProcessContext,
     global_weights,
@@ -64,11 +66,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import (
-    BaseEmbeddingConfig,
-    DataType,
-    EmbeddingBagConfig,
-)
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -88,65 +86,6 @@ OPTIMIZERS: Dict[str, EmbOptimType] = {
     "adagrad": EmbOptimType.EXACT_ADAGRAD,
     "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
 }
-
-ConfigT = TypeVar("ConfigT", bound=BaseEmbeddingConfig)
-
-
-def numbered_tables(
-    config: Type[ConfigT],
-    num_tables: int,
-    dims: Sequence[int],
-    rows: Sequence[int],
-    data_type: DataType = DataType.FP32,
-) -> List[ConfigT]:
-    """
-    The configs of tables "t0".."tN", table ``ti`` read by feature "fi".
-
-    Args:
-        config (Type[ConfigT]): EmbeddingBagConfig or EmbeddingConfig.
-        num_tables (int): number of tables.
-        dims (Sequence[int]): embedding dim per table (at least ``num_tables``).
-        rows (Sequence[int]): rows per table (at least ``num_tables``).
-        data_type (DataType): every table's data type.
-
-    Returns:
-        List[ConfigT]: one config per table.
-    """
-    return [
-        config(
-            name=f"t{i}",
-            embedding_dim=dims[i],
-            num_embeddings=rows[i],
-            feature_names=[f"f{i}"],
-            data_type=data_type,
-        )
-        for i in range(num_tables)
-    ]
-
-
-def make_ebc(
-    num_tables: int,
-    data_type: DataType = DataType.FP32,
-    dims: Optional[Sequence[int]] = None,
-    rows: Optional[Sequence[int]] = None,
-    seed: int = 0,
-) -> EmbeddingBagCollection:
-    """
-    Args:
-        num_tables (int): number of tables "t0".."tN" with features "f0".."fN".
-        data_type (DataType): FP32, FP16 or BF16.
-        dims (Optional[Sequence[int]]): embedding dims (multiples of 4).
-        rows (Optional[Sequence[int]]): rows per table.
-        seed (int): seed of the weights.
-
-    Returns:
-        EmbeddingBagCollection: on CPU, with deterministic weights.
-    """
-    dims = dims or [16] * num_tables
-    rows = rows or [24 + 3 * i for i in range(num_tables)]
-    tables = numbered_tables(EmbeddingBagConfig, num_tables, dims, rows, data_type)
-    torch.manual_seed(seed)
-    return EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
 
 
 def _custom_sharding(

@@ -32,6 +32,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.test_utils.multi_process import (
     MultiProcessContext,
     MultiProcessTestBase,
@@ -44,15 +45,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 WORLD_SIZE: int = 2
 LEARNING_RATE: float = 0.1
 BATCH_SIZE: int = 4
-TABLES: List[EmbeddingBagConfig] = [
-    EmbeddingBagConfig(
-        name=f"t{i}",
-        embedding_dim=8,
-        num_embeddings=16 + 3 * i,
-        feature_names=[f"f{i}"],
-    )
-    for i in range(4)
-]
+TABLES: List[EmbeddingBagConfig] = numbered_tables(
+    EmbeddingBagConfig, 4, [8] * 4, [16 + 3 * i for i in range(4)]
+)
 
 
 def _batch(seed: int) -> KeyedJaggedTensor:

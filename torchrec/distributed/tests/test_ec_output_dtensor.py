@@ -30,6 +30,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.test_utils.multi_process import (
     MultiProcessContext,
     MultiProcessTestBase,
@@ -43,15 +44,14 @@ WORLD_SIZE: int = 2
 LEARNING_RATE: float = 0.1
 BATCH_SIZE: int = 4
 EC_DIM: int = 8
-EC_TABLES: List[EmbeddingConfig] = [
-    EmbeddingConfig(
-        name=f"e{i}",
-        embedding_dim=EC_DIM,
-        num_embeddings=13 + 2 * i,
-        feature_names=[f"h{i}"],
-    )
-    for i in range(4)
-]
+EC_TABLES: List[EmbeddingConfig] = numbered_tables(
+    EmbeddingConfig,
+    4,
+    [EC_DIM] * 4,
+    [13 + 2 * i for i in range(4)],
+    table_prefix="e",
+    feature_prefix="h",
+)
 # sharding per table, the DTensor placements it gives, and whether the
 # table's state dict value is a DTensor at all (data-parallel: a plain tensor)
 EC_LAYOUT: Dict[str, Any] = {

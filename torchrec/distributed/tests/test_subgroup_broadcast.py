@@ -28,13 +28,12 @@ from torchrec.distributed.sharding_plan import (
     data_parallel,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import make_ebc
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 TIMEOUT: timedelta = timedelta(seconds=60)
 GROUPS: Tuple[Tuple[int, ...], ...] = ((0, 1), (2, 3))
@@ -52,19 +51,7 @@ def _broadcast_on_subgroup(rank: int, world_size: int, port: str) -> None:
 
         # every member starts from other weights; data-parallel tables then
         # hold those of group rank 0
-        torch.manual_seed(rank)
-        ebc = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name=f"t{i}",
-                    embedding_dim=4,
-                    num_embeddings=6,
-                    feature_names=[f"f{i}"],
-                )
-                for i in range(2)
-            ],
-            device=torch.device("cpu"),
-        )
+        ebc = make_ebc(2, dims=[4, 4], rows=[6, 6], seed=rank)
         plan = construct_module_sharding_plan(
             ebc,
             {"t0": data_parallel(), "t1": table_wise(rank=1)},

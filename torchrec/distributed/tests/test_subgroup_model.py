@@ -58,6 +58,7 @@ from torchrec.distributed.sharding_plan import (
     table_row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     global_weights,
@@ -84,16 +85,13 @@ LEARNING_RATE: float = 0.1
 STEPS: int = 3
 BATCH_SIZE: int = 4
 NUM_TABLES: int = 6
-TABLES: List[EmbeddingBagConfig] = [
-    EmbeddingBagConfig(
-        name=f"t{i}",
-        # The grid table is cut in two column blocks (of TorchRec's minimum 128).
-        embedding_dim=256 if i == 5 else 8,
-        num_embeddings=13 + 2 * i,
-        feature_names=[f"f{i}"],
-    )
-    for i in range(NUM_TABLES)
-]
+TABLES: List[EmbeddingBagConfig] = numbered_tables(
+    EmbeddingBagConfig,
+    NUM_TABLES,
+    # The grid table is cut in two column blocks (of TorchRec's minimum 128).
+    [256 if i == 5 else 8 for i in range(NUM_TABLES)],
+    [13 + 2 * i for i in range(NUM_TABLES)],
+)
 
 
 class _Model(nn.Module):

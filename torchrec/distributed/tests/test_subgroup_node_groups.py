@@ -33,13 +33,12 @@ from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     table_row_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import make_ebc
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
 from torchrec.distributed.types import ShardingEnv
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 TIMEOUT: timedelta = timedelta(seconds=60)
@@ -56,15 +55,7 @@ def _node_groups_on_subgroup(rank: int, world_size: int, port: str) -> None:
             assert (cross != dist.GroupMember.NON_GROUP_MEMBER) == member
         pg = pgs[rank]
 
-        torch.manual_seed(0)
-        ebc = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name="t0", embedding_dim=8, num_embeddings=12, feature_names=["f0"]
-                )
-            ],
-            device=torch.device("cpu"),
-        )
+        ebc = make_ebc(1, dims=[8], rows=[12])
         plan = construct_module_sharding_plan(
             ebc,
             {"t0": table_row_wise(host_index=0)},

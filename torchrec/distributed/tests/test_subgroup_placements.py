@@ -29,13 +29,12 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import make_ebc
 from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
 from torchrec.distributed.types import ShardingEnv, ShardMetadata
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 TIMEOUT: timedelta = timedelta(seconds=60)
@@ -54,19 +53,7 @@ def _placements_on_subgroup(rank: int, world_size: int, port: str) -> None:
         world = ShardingEnv.from_process_group(dist.group.WORLD)
         assert shards_on_global_ranks(shards, world) == shards
 
-        torch.manual_seed(0)
-        ebc = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name=f"t{i}",
-                    embedding_dim=8,
-                    num_embeddings=10 + i,
-                    feature_names=[f"f{i}"],
-                )
-                for i in range(3)
-            ],
-            device=torch.device("cpu"),
-        )
+        ebc = make_ebc(3, dims=[8] * 3, rows=[10 + i for i in range(3)])
         plan = construct_module_sharding_plan(
             ebc,
             {

@@ -26,6 +26,7 @@ from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.test_utils.multi_process_utils import (
     grouped_config,
     single_rank_process_group,
@@ -56,11 +57,7 @@ class TbeFusedParamsTest(unittest.TestCase):
 
     def test_table_wise_sharding_leaves_its_infos_unchanged(self) -> None:
         ebc = EmbeddingBagCollection(
-            tables=[
-                EmbeddingBagConfig(
-                    name="t0", embedding_dim=4, num_embeddings=8, feature_names=["f0"]
-                )
-            ],
+            tables=numbered_tables(EmbeddingBagConfig, 1, [4], [8]),
             device=torch.device("meta"),
         )
         with single_rank_process_group():

@@ -28,6 +28,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.test_utils.multi_process import (
     MultiProcessContext,
     MultiProcessTestBase,
@@ -38,15 +39,9 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 WORLD_SIZE: int = 2
-TABLES: List[EmbeddingBagConfig] = [
-    EmbeddingBagConfig(
-        name=f"t{i}",
-        embedding_dim=8,
-        num_embeddings=10 + 2 * i,
-        feature_names=[f"f{i}"],
-    )
-    for i in range(4)
-]
+TABLES: List[EmbeddingBagConfig] = numbered_tables(
+    EmbeddingBagConfig, 4, [8] * 4, [10 + 2 * i for i in range(4)]
+)
 
 
 def _batch() -> KeyedJaggedTensor:
