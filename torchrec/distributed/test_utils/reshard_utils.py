@@ -222,6 +222,30 @@ def shard(
     return module
 
 
+def one_rank_table_wise_ebc(
+    pg: dist.ProcessGroup, kernel: str, optimizer: Optional[str]
+) -> ShardedEmbeddingBagCollection:
+    """
+    The one-rank module of the storage tests: :func:`make_ebc`'s tables t0,
+    t1, t2 (dims 8, 8, 16), each table-wise on rank 0, sharded on the host;
+    nothing else references it.
+
+    Args:
+        pg (dist.ProcessGroup): a one-rank group.
+        kernel (str): the compute kernel (e.g. :data:`FUSED`).
+        optimizer (Optional[str]): the fused optimizer (see
+            :func:`make_sharder`).
+
+    Returns:
+        ShardedEmbeddingBagCollection: the sharded module, its weights loaded.
+    """
+    ebc = make_ebc(3, dims=[8, 8, 16])
+    specs = {name: ("table_wise", 0) for name in ("t0", "t1", "t2")}
+    plan = make_plan(ebc, specs, 1, 1, kernel)
+    env = ShardingEnv.from_process_group(pg)
+    return shard(ebc, make_sharder(optimizer), plan, env, torch.device("cpu"))
+
+
 def make_batches(
     num_tables: int, rows: Sequence[int], count: int, batch_size: int, seed: int
 ) -> List[KeyedJaggedTensor]:

@@ -16,6 +16,7 @@ while they pass each call to a real gloo backend; the environment that
 keeps such groups for a participant's transactions.
 """
 
+import dataclasses
 from datetime import timedelta
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -107,11 +108,35 @@ class RecordingWork:
 
 
 class RecordingGroups(ExchangeGroups):
-    """Kept groups (gloo, on the host) whose backends record their calls."""
+    """
+    Kept groups (gloo, on the host) whose backends record their calls: the
+    one wrapping of a real group's backend that every test uses.
 
-    def __init__(self, calls: List[str], max_groups: int = 2) -> None:
+    Args:
+        calls (List[str]): where "connect" and the backends' lifecycle calls
+            are written.
+        max_groups (int): the most groups kept.
+        one_rank (bool): for a one-rank job: every group connects this rank
+            alone (for real), whatever members it is asked for.
+        device (Optional[torch.device]): the device every group states
+            (None: the one it connected on).
+        communicator_bytes (Optional[int]): the communicator memory every
+            group states (None: what it measured).
+    """
+
+    def __init__(
+        self,
+        calls: List[str],
+        max_groups: int = 2,
+        one_rank: bool = False,
+        device: Optional[torch.device] = None,
+        communicator_bytes: Optional[int] = None,
+    ) -> None:
         super().__init__(max_groups)
         self.calls = calls
+        self._one_rank = one_rank
+        self._device = device
+        self._bytes = communicator_bytes
 
     def connect(
         self,
@@ -121,15 +146,15 @@ class RecordingGroups(ExchangeGroups):
         device: torch.device,
     ) -> ExchangeGroup:
         self.calls.append("connect")
-        group = open_exchange_group(global_ranks, transaction, timeout)
-        return ExchangeGroup(
-            RecordingBackend(group.backend, self.calls),
-            group.rank,
-            group.size,
-            group.timeout,
-            group.device,
-            owned=True,
-            name=group.name,
+        ranks = [0] if self._one_rank else global_ranks
+        group = open_exchange_group(ranks, transaction, timeout)
+        return dataclasses.replace(
+            group,
+            backend=RecordingBackend(group.backend, self.calls),
+            device=self._device or group.device,
+            communicator_bytes=(
+                group.communicator_bytes if self._bytes is None else self._bytes
+            ),
         )
 
 

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import unittest
 from datetime import timedelta
-from typing import Any, Iterator, List, Sequence
+from typing import Any, Iterator, List
 from unittest import mock
 
 import torch
@@ -190,7 +190,7 @@ class KeptGroupsTest(unittest.TestCase):
         self,
     ) -> None:
         calls: List[str] = []
-        groups = _AnyMembers(calls, max_groups=2)
+        groups = RecordingGroups(calls, max_groups=2, one_rank=True)
         cpu = torch.device("cpu")
         with single_rank_process_group():
             a = groups.open([0, 1], "a", TIMEOUT, cpu)
@@ -210,7 +210,9 @@ class KeptGroupsTest(unittest.TestCase):
 
     def test_a_connects_memory_is_measured_and_budgets_the_next(self) -> None:
         calls: List[str] = []
-        groups = _AnyMembers(calls, device=CUDA0, communicator_bytes=1234)
+        groups = RecordingGroups(
+            calls, one_rank=True, device=CUDA0, communicator_bytes=1234
+        )
         with single_rank_process_group():
             # no group kept, nothing measured: the margin, and every peer new
             self.assertEqual(
@@ -269,34 +271,6 @@ class KeptGroupsTest(unittest.TestCase):
         self.assertEqual(same_kept_group(["t3", "", "t3"]), "")
         self.assertEqual(same_kept_group(["t3", "t4"]), "")
         self.assertEqual(same_kept_group(["", ""]), "")
-
-
-class _AnyMembers(RecordingGroups):
-    """Kept groups of any members in a one-rank job: each connects the one
-    rank (for real), stated on ``device`` with ``communicator_bytes``."""
-
-    def __init__(
-        self,
-        calls: List[str],
-        max_groups: int = 2,
-        device: torch.device = torch.device("cpu"),
-        communicator_bytes: int = 0,
-    ) -> None:
-        super().__init__(calls, max_groups)
-        self._device = device
-        self._bytes = communicator_bytes
-
-    def connect(
-        self,
-        global_ranks: Sequence[int],
-        transaction: str,
-        timeout: timedelta,
-        device: torch.device,
-    ) -> ExchangeGroup:
-        group = super().connect([0], transaction, timeout, torch.device("cpu"))
-        return dataclasses.replace(
-            group, device=self._device, communicator_bytes=self._bytes
-        )
 
 
 class CoalescingTest(unittest.TestCase):

@@ -20,7 +20,6 @@ from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.resharding.kept_grouping import BATCH_KEY
 from torchrec.distributed.resharding.kept_step import KeptStorageStep
 from torchrec.distributed.resharding.kernel_state import batched_kernels
@@ -31,13 +30,7 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     grouped_config,
     single_rank_process_group,
 )
-from torchrec.distributed.test_utils.reshard_utils import (
-    make_ebc,
-    make_plan,
-    make_sharder,
-    shard,
-)
-from torchrec.distributed.types import ShardingEnv
+from torchrec.distributed.test_utils.reshard_utils import FUSED, one_rank_table_wise_ebc
 
 CPU = torch.device("cpu")
 PATH = "ebc"
@@ -75,11 +68,7 @@ class KeptStorageStepTest(unittest.TestCase):
     """A step over a real one-rank module of three table-wise tables, one kernel."""
 
     def _module(self) -> nn.Module:
-        ebc = make_ebc(3, dims=[8, 8, 16])
-        specs = {name: ("table_wise", 0) for name in ("t0", "t1", "t2")}
-        plan = make_plan(ebc, specs, 1, 1, EmbeddingComputeKernel.FUSED.value)
-        env = ShardingEnv.from_process_group(self._pg)
-        return shard(ebc, make_sharder("sgd"), plan, env, CPU)
+        return one_rank_table_wise_ebc(self._pg, FUSED, "sgd")
 
     def setUp(self) -> None:
         if not storage_reuse_supported(CPU):

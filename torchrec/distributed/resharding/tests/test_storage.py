@@ -48,13 +48,8 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     grouped_config,
     single_rank_process_group,
 )
-from torchrec.distributed.test_utils.reshard_utils import (
-    make_ebc,
-    make_plan,
-    make_sharder,
-    shard,
-)
-from torchrec.distributed.types import ParameterSharding, ShardingEnv
+from torchrec.distributed.test_utils.reshard_utils import one_rank_table_wise_ebc
+from torchrec.distributed.types import ParameterSharding
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 TW = "table_wise"
@@ -188,13 +183,7 @@ class ModuleHoldersTest(unittest.TestCase):
 
     def _assert_holders_are_the_references(self, kernel: str) -> None:
         with single_rank_process_group() as pg:
-            ebc = make_ebc(3, dims=[8, 8, 16])
-            specs = {name: ("table_wise", 0) for name in ("t0", "t1", "t2")}
-            plan = make_plan(ebc, specs, 1, 1, kernel)
-            sharder = make_sharder("rowwise_adagrad")
-            env = ShardingEnv.from_process_group(pg)
-            module = shard(ebc, sharder, plan, env, torch.device("cpu"))
-            del ebc
+            module = one_rank_table_wise_ebc(pg, kernel, "rowwise_adagrad")
 
             references = _references(module)
             self.assertTrue(references)

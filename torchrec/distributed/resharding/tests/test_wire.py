@@ -45,7 +45,10 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
-from torchrec.distributed.test_utils.transaction_doubles import RecordingBackend
+from torchrec.distributed.test_utils.transaction_doubles import (
+    RecordingBackend,
+    RecordingGroups,
+)
 
 
 def _registry() -> Tuple[int, int, int]:
@@ -179,18 +182,12 @@ def _expected_order(me: int, size: int) -> List[Tuple[str, int, int]]:
 def _run_post_order(rank: int, world_size: int, port: str) -> None:
     with BoundedMultiProcessContext(rank, world_size, port, timeout_s=60):
         ranks = list(range(world_size))
-        real = open_exchange_group(ranks, "order", timedelta(seconds=30))
         # the real gloo backend, its calls recorded on the way through
-        backend = RecordingBackend(real.backend, [])
-        group = ExchangeGroup(
-            backend,
-            real.rank,
-            real.size,
-            real.timeout,
-            real.device,
-            owned=True,
-            name=real.name,
+        group = RecordingGroups([]).connect(
+            ranks, "order", timedelta(seconds=30), torch.device("cpu")
         )
+        backend = group.backend
+        assert isinstance(backend, RecordingBackend)
         me = group.rank
         messages, received = [], []
         for peer in range(world_size):  # every receive posted before any send
