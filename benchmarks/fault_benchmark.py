@@ -96,19 +96,14 @@ class Model(torch.nn.Module):
     """An EBC of ``TABLES`` big tables and a small replicated one, an MLP."""
 
     def __init__(self, rows: int, device: torch.device) -> None:
+        from torchrec.distributed.test_utils.model_zoo import numbered_tables
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
         from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
         super().__init__()
-        tables = [
-            EmbeddingBagConfig(
-                name=f"t{i}",
-                embedding_dim=DIM,
-                num_embeddings=rows,
-                feature_names=[f"f{i}"],
-            )
-            for i in range(TABLES)
-        ]
+        tables = numbered_tables(
+            EmbeddingBagConfig, TABLES, [DIM] * TABLES, [rows] * TABLES
+        )
         tables.append(
             EmbeddingBagConfig(
                 name="dp", embedding_dim=DIM, num_embeddings=1024, feature_names=["fdp"]

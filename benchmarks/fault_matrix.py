@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from common import fmt, output_arguments, save_results
 from torchrec.distributed.test_utils.fault_scenarios import (
-    Event,
+    FAULT_JOBS,
     run_scenario,
     Scenario,
 )
@@ -52,58 +52,19 @@ CHECKS: Tuple[str, ...] = (
     "trains on like the model built directly",
 )
 
-REPLICA_SPECS: Dict[str, Dict[str, Any]] = {
-    "ebc": {
-        "t0": ("data_parallel", None),
-        "t1": ("table_wise", 0),
-        "t2": ("column_wise", [1, 0]),
-        "t3": ("table_wise", 1),
-    },
-    "ec": {"t0": ("table_wise", 2), "t1": ("table_wise", 0)},
-}
-
 # name -> (the job, what each of its recoveries is: where the rank was lost)
 JOBS: Dict[str, Tuple[Scenario, Tuple[str, ...]]] = {
-    "forward": (
-        Scenario(
-            world_size=4,
-            steps=9,
-            events=(Event(3, 3, "forward"), Event(7, 1, "backward")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=2,
-        ),
-        ("forward (4 -> 3)", "backward (3 -> 2)"),
-    ),
+    "forward": (FAULT_JOBS["forward"], ("forward (4 -> 3)", "backward (3 -> 2)")),
     "optimizer": (
-        Scenario(
-            world_size=4,
-            steps=9,
-            events=(Event(3, 2, "optimizer"), Event(6, 0, "snapshot")),
-            sources=("replica", "snapshot"),
-            snapshot_every=1,
-        ),
+        FAULT_JOBS["optimizer"],
         ("optimizer step (4 -> 3)", "during a snapshot (3 -> 2)"),
     ),
     "replica": (
-        Scenario(
-            world_size=4,
-            steps=8,
-            events=(Event(2, 3, "forward"), Event(5, 1, "reshard")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=2,
-            plan_specs=REPLICA_SPECS,
-        ),
+        FAULT_JOBS["replica"],
         ("a rank of replicas only (4 -> 3)", "during a reshard (3 -> 2)"),
     ),
     "hung": (
-        Scenario(
-            world_size=4,
-            steps=5,
-            events=(Event(2, 2, "forward", hang_s=20.0), Event(2, 3, "recovery")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=1,
-            collective_timeout_s=3.0,
-        ),
+        FAULT_JOBS["hung"],
         ("hung, and a second loss during its recovery (4 -> 2)",),
     ),
 }

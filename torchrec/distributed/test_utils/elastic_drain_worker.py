@@ -80,6 +80,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     load_model_state,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
+    assert_dense_optimizer_states_equal,
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     global_optimizer_state,
@@ -329,12 +330,7 @@ def assert_same_state(
     """Weights, fused and dense optimizer state equal, bit for bit."""
     assert_state_dicts_equal(ref.state_dict(), model.state_dict())
     assert_optimizer_states_equal(ref, model)
-    got = optimizer.state_dict()["state"]
-    expected = ref_optimizer.state_dict()["state"]
-    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
-    for name, value in expected.items():
-        for key, tensor in value.items():
-            assert torch.equal(got[name][key], tensor), (name, key)
+    assert_dense_optimizer_states_equal(optimizer, ref_optimizer)
 
 
 def assert_trains_like(

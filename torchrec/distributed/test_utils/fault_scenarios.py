@@ -149,6 +149,57 @@ class Scenario:
         )
 
 
+# the plan of the job whose first lost rank holds only data-parallel replicas
+REPLICA_SPECS: Dict[str, Dict[str, TableSpec]] = {
+    "ebc": {
+        "t0": ("data_parallel", None),
+        "t1": ("table_wise", 0),
+        "t2": ("column_wise", [1, 0]),
+        "t3": ("table_wise", 1),
+    },
+    "ec": {"t0": ("table_wise", 2), "t1": ("table_wise", 0)},
+}
+# the hung job: its training groups' timeout, and how long its rank hangs
+HUNG_COLLECTIVE_TIMEOUT_S: float = 3.0
+HANG_S: float = 20.0
+
+# The jobs the fault tests check and the fault matrix times, by name:
+#   forward: rank 3 dies in the forward of step 3 (4 -> 3), rank 1 in the
+#     backward of step 7 (3 -> 2); checkpoints after steps 2, 4, 6
+#   optimizer: a snapshot after every step; rank 2 dies in the optimizer step
+#     of step 3, rank 0 while sending the snapshot after step 6
+#   replica: rank 3 holds only replicas (4 -> 3); rank 1 dies in the
+#     exchange of a reshard every rank starts (3 -> 2)
+#   hung: rank 2 hangs in the forward of step 2, rank 3 dies during the
+#     recovery from it (4 -> 2)
+FAULT_JOBS: Dict[str, Scenario] = {
+    "forward": Scenario(
+        4, 9, (Event(3, 3, "forward"), Event(7, 1, "backward")), checkpoint_every=2
+    ),
+    "optimizer": Scenario(
+        world_size=4,
+        steps=9,
+        events=(Event(3, 2, "optimizer"), Event(6, 0, "snapshot")),
+        sources=("replica", "snapshot"),
+        snapshot_every=1,
+    ),
+    "replica": Scenario(
+        4,
+        8,
+        (Event(2, 3, "forward"), Event(5, 1, "reshard")),
+        checkpoint_every=2,
+        plan_specs=REPLICA_SPECS,
+    ),
+    "hung": Scenario(
+        4,
+        5,
+        (Event(2, 2, "forward", hang_s=HANG_S), Event(2, 3, "recovery")),
+        checkpoint_every=1,
+        collective_timeout_s=HUNG_COLLECTIVE_TIMEOUT_S,
+    ),
+}
+
+
 class _Rank:
     """One rank's part of a scenario."""
 

@@ -55,6 +55,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
 )
 from torchrec.distributed.test_utils.reshard_utils import (
     _optimizer_shard_pairs,
+    assert_dense_optimizer_states_equal,
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     load_global_state,
@@ -164,14 +165,6 @@ def train_step(model: nn.Module, optimizer: Any, step: int, index: int) -> torch
     return out.detach()
 
 
-def _assert_dense_optimizers_equal(a: Any, b: Any) -> None:
-    got, expected = a.state_dict()["state"], b.state_dict()["state"]
-    assert sorted(got) == sorted(expected), (sorted(got), sorted(expected))
-    for name, value in expected.items():
-        for key, tensor in value.items():
-            assert torch.equal(got[name][key], tensor), (name, key)
-
-
 def assert_matches_direct(
     model: nn.Module,
     optimizer: Any,
@@ -216,7 +209,7 @@ def assert_matches_direct(
     ref_optimizer.load_state_dict(dense_optimizer)
     assert_state_dicts_equal(reference.state_dict(), model.state_dict())
     assert_optimizer_states_equal(reference, model)
-    _assert_dense_optimizers_equal(optimizer, ref_optimizer)
+    assert_dense_optimizer_states_equal(optimizer, ref_optimizer)
     checks = [f"equals the model built directly on {survivors}"]
     now: List[Any] = [None] * len(survivors)
     dist.all_gather_object(now, local_state(model, optimizer), group=group)

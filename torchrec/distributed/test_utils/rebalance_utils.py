@@ -26,15 +26,14 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
-from torchrec.distributed.test_utils.reshard_utils import make_plan, numbered_tables
+from torchrec.distributed.test_utils.model_zoo import equal_tables_dlrm
+from torchrec.distributed.test_utils.reshard_utils import make_plan
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ShardingEnv,
     ShardingPlan,
 )
-from torchrec.models.dlrm import DLRM, DLRMTrain
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -46,20 +45,18 @@ DENSE_IN = 4
 def rebalance_dlrm(
     num_tables: int, rows: int, dim: int, device: torch.device, seed: int = 0
 ) -> DLRMTrain:
-    """A small DLRM with tables ``t<i>`` read by features ``f<i>``."""
-    torch.manual_seed(seed)
-    tables = numbered_tables(
-        EmbeddingBagConfig, num_tables, [dim] * num_tables, [rows] * num_tables
-    )
-    return DLRMTrain(
-        DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(tables, device=device),
-            dense_in_features=DENSE_IN,
-            dense_arch_layer_sizes=[dim],
-            over_arch_layer_sizes=[4, 1],
-            dense_device=device,
-        )
-    )
+    """
+    Args:
+        num_tables (int): number of tables ``t<i>``, read by features ``f<i>``.
+        rows (int): rows of each table.
+        dim (int): embedding dimension.
+        device (torch.device): the device ("meta" for the planner).
+        seed (int): the seed of every weight.
+
+    Returns:
+        DLRMTrain: the zoo's small equal-tables DLRM.
+    """
+    return equal_tables_dlrm(num_tables, rows, dim, DENSE_IN, [4, 1], device, seed)
 
 
 def loaded_batches(

@@ -416,6 +416,25 @@ def assert_optimizer_states_equal(
     assert groups_a == groups_b, (groups_a, groups_b)
 
 
+def assert_dense_optimizer_states_equal(got: Any, expected: Any) -> None:
+    """
+    Two (dense) optimizers' states hold the same parameters, each with the
+    same state tensors, equal bit for bit.
+
+    Args:
+        got (Any): the optimizer under test (a ``state_dict()`` with "state").
+        expected (Any): the reference optimizer.
+
+    Returns:
+        None
+    """
+    a, b = got.state_dict()["state"], expected.state_dict()["state"]
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for name, value in b.items():
+        for key, tensor in value.items():
+            assert torch.equal(a[name][key], tensor), (name, key)
+
+
 def _learning_rates(module: torch.nn.Module) -> Dict[str, float]:
     """The learning rate of every local table's fused kernel."""
     rates: Dict[str, float] = {}

@@ -55,6 +55,7 @@ from torchrec.distributed.test_utils.reshard_model_utils import (
     WORLD,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
+    assert_dense_optimizer_states_equal,
     assert_optimizer_states_equal,
     assert_state_dicts_equal,
     BoundedMultiProcessContext,
@@ -221,9 +222,7 @@ def _run_moves(rank: int, world_size: int, port: str) -> None:
                 reference, ref_optimizer = reference_model(env, plan, state)
                 assert_state_dicts_equal(reference.state_dict(), model.state_dict())
                 assert_optimizer_states_equal(reference, model)
-                for name, value in ref_optimizer.state_dict()["state"].items():
-                    got = optimizer.state_dict()["state"][name]
-                    assert all(torch.equal(got[k], v) for k, v in value.items()), name
+                assert_dense_optimizer_states_equal(optimizer, ref_optimizer)
                 for _ in range(2):
                     index = new.index(rank)
                     out = train_model(model, optimizer, step, index)

@@ -26,33 +26,26 @@ finds itself fenced and stops.
 import unittest
 
 from torchrec.distributed.test_utils.fault_scenarios import (
-    Event,
+    FAULT_JOBS,
+    HUNG_COLLECTIVE_TIMEOUT_S,
     run_scenario,
-    Scenario,
 )
 from torchrec.distributed.test_utils.fault_worker import KILLED
 
-COLLECTIVE_TIMEOUT_S = 3.0
-HANG_S = 20.0
 SLACK_S = 10.0
 
 
 class HungRankTest(unittest.TestCase):
     def test_hung_rank_fenced_and_a_second_loss_during_the_recovery(self) -> None:
-        scenario = Scenario(
-            world_size=4,
-            steps=5,
-            events=(Event(2, 2, "forward", hang_s=HANG_S), Event(2, 3, "recovery")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=1,
-            collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-        )
+        scenario = FAULT_JOBS["hung"]
         job = run_scenario(scenario)
         self.assertFalse(job.failures(), "\n".join(job.failures()))
         self.assertEqual(job.exit_codes[3], KILLED)
         self.assertEqual(job.results[2]["status"], "fenced", job.results[2])
         self.assertIn("left out", job.results[2]["error"])
-        join_s = COLLECTIVE_TIMEOUT_S + scenario.options().heartbeat_timeout.seconds
+        join_s = (
+            HUNG_COLLECTIVE_TIMEOUT_S + scenario.options().heartbeat_timeout.seconds
+        )
         for rank in (0, 1):
             result = job.results[rank]
             self.assertEqual(result["status"], "ok", result)
@@ -64,7 +57,7 @@ class HungRankTest(unittest.TestCase):
             self.assertEqual(recovery["steps_lost"], {"replica": 0, "checkpoint": 0})
             # the hang is noticed at the collective's timeout, not later
             self.assertLess(
-                recovery["detect_after_kill_s"], COLLECTIVE_TIMEOUT_S + SLACK_S
+                recovery["detect_after_kill_s"], HUNG_COLLECTIVE_TIMEOUT_S + SLACK_S
             )
             self.assertGreaterEqual(recovery["agree_s"], join_s - 0.5)
             for check in (

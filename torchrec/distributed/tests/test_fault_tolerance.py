@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Sequence
 
 from torchrec.distributed.test_utils.fault_scenarios import (
     Event,
+    FAULT_JOBS,
     run_scenario,
     Scenario,
 )
@@ -78,70 +79,58 @@ def _assert_recoveries(
     test.assertEqual(len(verdicts), 1, verdicts)
 
 
+def _expect(
+    members: List[int], lost: List[int], steps_lost: Dict[str, int], **facts: Any
+) -> Dict[str, Any]:
+    """
+    Args:
+        members (List[int]): the survivors a recovery agrees on.
+        lost (List[int]): the ranks it lost.
+        steps_lost (Dict[str, int]): the steps each source it used lost.
+        **facts (Any): more of what the recovery reports.
+
+    Returns:
+        Dict[str, Any]: what the recovery reports, as ``_assert_recoveries``
+        expects it.
+    """
+    return {"members": members, "lost_ranks": lost, **facts, "steps_lost": steps_lost}
+
+
 class FaultToleranceTest(unittest.TestCase):
+    def _check_job(
+        self, name: str, lost: Sequence[int], expected: List[Dict[str, Any]]
+    ) -> Dict[int, Dict[str, Any]]:
+        """Runs the fault job ``name``; its survivors recovered as expected."""
+        scenario = FAULT_JOBS[name]
+        survivors = _survivors(run_scenario(scenario), lost)
+        _assert_recoveries(self, survivors, expected, steps=scenario.steps)
+        return survivors
+
     def test_checkpoint_source_forward_then_backward(self) -> None:
         # rank 3 dies in the forward of step 3 (4 -> 3), rank 1 in the
         # backward of step 7 (3 -> 2); checkpoints after steps 2, 4, 6
-        scenario = Scenario(
-            world_size=4,
-            steps=9,
-            events=(Event(3, 3, "forward"), Event(7, 1, "backward")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=2,
-        )
-        job = run_scenario(scenario)
-        survivors = _survivors(job, [1, 3])
-        _assert_recoveries(
-            self,
-            survivors,
+        checkpoint = {"replica": 0, "checkpoint": 1}
+        self._check_job(
+            "forward",
+            [1, 3],
             [
-                {
-                    "members": [0, 1, 2],
-                    "lost_ranks": [3],
-                    "failure_step": 3,
-                    "steps_lost": {"replica": 0, "checkpoint": 1},
-                },
-                {
-                    "members": [0, 2],
-                    "lost_ranks": [1],
-                    "failure_step": 7,
-                    "steps_lost": {"replica": 0, "checkpoint": 1},
-                },
+                _expect([0, 1, 2], [3], checkpoint, failure_step=3),
+                _expect([0, 2], [1], checkpoint, failure_step=7),
             ],
-            steps=9,
         )
 
     def test_snapshot_source_optimizer_then_during_snapshot(self) -> None:
         # a snapshot after every step; rank 2 dies in the optimizer step of
         # step 3 (the survivors finish it: its shards lose that step), rank 0
         # while sending the snapshot after step 6 (its buddy keeps step 5's)
-        scenario = Scenario(
-            world_size=4,
-            steps=9,
-            events=(Event(3, 2, "optimizer"), Event(6, 0, "snapshot")),
-            sources=("replica", "snapshot"),
-            snapshot_every=1,
-        )
-        job = run_scenario(scenario)
-        survivors = _survivors(job, [0, 2])
-        _assert_recoveries(
-            self,
-            survivors,
+        snapshot = {"replica": 0, "snapshot": 1}
+        self._check_job(
+            "optimizer",
+            [0, 2],
             [
-                {
-                    "members": [0, 1, 3],
-                    "lost_ranks": [2],
-                    "failure_step": 4,
-                    "steps_lost": {"replica": 0, "snapshot": 1},
-                },
-                {
-                    "members": [1, 3],
-                    "lost_ranks": [0],
-                    "failure_step": 6,
-                    "steps_lost": {"replica": 0, "snapshot": 1},
-                },
+                _expect([0, 1, 3], [2], snapshot, failure_step=4),
+                _expect([1, 3], [0], snapshot, failure_step=6),
             ],
-            steps=9,
         )
 
     def test_replica_covers_a_rank_of_replicas_then_a_kill_during_a_reshard(
@@ -151,43 +140,13 @@ class FaultToleranceTest(unittest.TestCase):
         # then every rank starts a reshard and rank 1 dies in its exchange:
         # the reshard aborts, the model is as it was, the checkpoint after
         # step 4 covers rank 1's shards (3 -> 2)
-        specs = {
-            "ebc": {
-                "t0": ("data_parallel", None),
-                "t1": ("table_wise", 0),
-                "t2": ("column_wise", [1, 0]),
-                "t3": ("table_wise", 1),
-            },
-            "ec": {"t0": ("table_wise", 2), "t1": ("table_wise", 0)},
-        }
-        scenario = Scenario(
-            world_size=4,
-            steps=8,
-            events=(Event(2, 3, "forward"), Event(5, 1, "reshard")),
-            sources=("replica", "checkpoint"),
-            checkpoint_every=2,
-            plan_specs=specs,
-        )
-        job = run_scenario(scenario)
-        survivors = _survivors(job, [1, 3])
-        _assert_recoveries(
-            self,
-            survivors,
+        survivors = self._check_job(
+            "replica",
+            [1, 3],
             [
-                {
-                    "members": [0, 1, 2],
-                    "lost_ranks": [3],
-                    "lost_tables": [],
-                    "steps_lost": {"replica": 0},
-                },
-                {
-                    "members": [0, 2],
-                    "lost_ranks": [1],
-                    "failure_step": 5,
-                    "steps_lost": {"replica": 0, "checkpoint": 1},
-                },
+                _expect([0, 1, 2], [3], {"replica": 0}, lost_tables=[]),
+                _expect([0, 2], [1], {"replica": 0, "checkpoint": 1}, failure_step=5),
             ],
-            steps=8,
         )
         for result in survivors.values():
             self.assertIn("ReshardAbortedError", result["recoveries"][1]["reason"])

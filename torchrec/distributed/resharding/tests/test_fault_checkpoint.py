@@ -21,7 +21,6 @@ import unittest
 from typing import Dict, List, Tuple
 
 import torch
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.fault.checkpoint import (
     load_pieces,
     save_checkpoint,
@@ -35,18 +34,11 @@ from torchrec.distributed.test_utils.multi_process_utils import (
 )
 from torchrec.distributed.test_utils.reshard_model_utils import (
     make_dense_optimizer,
-    model_batch,
-    model_definition,
     model_plan,
-    model_sharders,
+    sharded_model,
+    train_model,
 )
 from torchrec.distributed.types import ShardingEnv
-
-
-def _train(model: torch.nn.Module, optimizer: object, step: int) -> None:
-    optimizer.zero_grad()  # pyre-ignore[16]
-    (model(model_batch(step, 0)) ** 2).sum().backward()
-    optimizer.step()  # pyre-ignore[16]
 
 
 def _halves(rect: Rect) -> List[Rect]:
@@ -67,17 +59,10 @@ def _halves(rect: Rect) -> List[Rect]:
 class CheckpointSourceTest(unittest.TestCase):
     def test_pieces_read_back_as_saved_and_only_their_shards(self) -> None:
         with single_rank_process_group() as pg, tempfile.TemporaryDirectory() as d:
-            model = DistributedModelParallel(
-                model_definition(),
-                env=ShardingEnv.from_process_group(pg),
-                device=torch.device("cpu"),
-                plan=model_plan(1, 0),
-                sharders=model_sharders(),
-            )
-            model.load_state_dict(model_definition("cpu").state_dict())
+            model = sharded_model(ShardingEnv.from_process_group(pg), model_plan(1, 0))
             optimizer = make_dense_optimizer(model)
             for step in range(2):
-                _train(model, optimizer, step)
+                train_model(model, optimizer, step, 0)
             saved: Dict[Tuple[str, Rect], Dict[str, torch.Tensor]] = {
                 key: {n: t.detach().clone() for n, t in slot.tensors.items()}
                 for key, slot in sharded_slots(model.module).items()
@@ -85,7 +70,7 @@ class CheckpointSourceTest(unittest.TestCase):
             record = save_checkpoint(model, d, step=2, group=pg)
             self.assertEqual(set(record.shards), set(saved))
             for step in range(2, 4):  # the shards move on
-                _train(model, optimizer, step)
+                train_model(model, optimizer, step, 0)
             changed = sharded_slots(model.module)
             self.assertFalse(
                 all(

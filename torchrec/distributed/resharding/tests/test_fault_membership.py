@@ -20,6 +20,7 @@ that leaves of its own accord is not taken as lost; a lost store raises
 ``FaultToleranceError``.
 """
 
+import dataclasses
 import threading
 import time
 import unittest
@@ -127,11 +128,7 @@ class MembershipTest(unittest.TestCase):
         self.assertLess(slowest, OPTIONS.heartbeat_timeout.total_seconds() + SLACK_S)
 
     def test_hung_rank_left_out_at_the_join_timeout_and_fenced(self) -> None:
-        options = FaultOptions(
-            heartbeat_interval=timedelta(milliseconds=50),
-            heartbeat_timeout=timedelta(milliseconds=500),
-            join_timeout=timedelta(seconds=1.5),
-        )
+        options = dataclasses.replace(OPTIONS, join_timeout=timedelta(seconds=1.5))
         keys = StoreKeys("hung")
         current = Membership(0, tuple(range(SIZE)))
         callers = [r for r in range(SIZE) if r != 3]
@@ -164,11 +161,7 @@ class MembershipTest(unittest.TestCase):
         self.assertIsInstance(late[3].error, RankFencedError)
 
     def test_lost_coordinator_replaced_after_the_join_timeout(self) -> None:
-        options = FaultOptions(
-            heartbeat_interval=timedelta(milliseconds=50),
-            heartbeat_timeout=timedelta(milliseconds=500),
-            join_timeout=timedelta(seconds=1),
-        )
+        options = dataclasses.replace(OPTIONS, join_timeout=timedelta(seconds=1))
         keys = StoreKeys("coordinator")
         current = Membership(0, tuple(range(SIZE)))
         with local_store_clients(SIZE) as (_, clients):

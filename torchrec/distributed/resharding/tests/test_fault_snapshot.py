@@ -22,7 +22,6 @@ from datetime import timedelta
 from typing import Dict, Set
 
 import torch
-from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.resharding.fault.options import FaultOptions
 from torchrec.distributed.resharding.fault.snapshot import buddy_of, BuddySnapshot
 from torchrec.distributed.resharding.fault.sources import SourcePiece
@@ -33,9 +32,9 @@ from torchrec.distributed.test_utils.multi_process_utils import (
 from torchrec.distributed.test_utils.reshard_model_utils import (
     make_dense_optimizer,
     model_batch,
-    model_definition,
     model_plan,
-    model_sharders,
+    sharded_model,
+    train_model,
 )
 from torchrec.distributed.types import ShardingEnv
 
@@ -74,21 +73,12 @@ def _copies_equal_slots(
 class BuddySnapshotTest(unittest.TestCase):
     def test_touched_rows_travel_and_copies_follow_the_shards(self) -> None:
         with single_rank_process_group() as pg:
-            model = DistributedModelParallel(
-                model_definition(),
-                env=ShardingEnv.from_process_group(pg),
-                device=torch.device("cpu"),
-                plan=model_plan(1, 0),
-                sharders=model_sharders(),
-            )
-            model.load_state_dict(model_definition("cpu").state_dict())
+            model = sharded_model(ShardingEnv.from_process_group(pg), model_plan(1, 0))
             optimizer = make_dense_optimizer(model)
             snapshot = BuddySnapshot(model, OPTIONS)
             sizes = []
             for step in range(3):
-                optimizer.zero_grad()
-                (model(model_batch(step, 0)) ** 2).sum().backward()
-                optimizer.step()
+                train_model(model, optimizer, step, 0)
                 touched = {
                     key: set(mask.nonzero().flatten().tolist())
                     for (key, rect), mask in snapshot._touched.items()
