@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 MiB: int = 1 << 20
 
@@ -42,6 +42,26 @@ def output_arguments() -> argparse.ArgumentParser:
 def fmt(x: Optional[float], spec: str) -> str:
     """``x`` formatted with ``spec``, or "-" when there is none."""
     return "-" if x is None else format(x, spec)
+
+
+def table_head(columns: Sequence[Tuple[str, int]], tail: str = "") -> List[str]:
+    """
+    The head of a text table and the rule under it.
+
+    Args:
+        columns (Sequence[Tuple[str, int]]): each column's label and width
+            (right-aligned; a negative width: left-aligned), one space apart.
+        tail (str): text after the last column, as it is.
+
+    Returns:
+        List[str]: the head line and a rule of its length.
+    """
+    head = " ".join(
+        format(label, f"<{-width}" if width < 0 else f">{width}")
+        for label, width in columns
+    )
+    head += tail
+    return [head, "-" * len(head)]
 
 
 def free_port() -> int:

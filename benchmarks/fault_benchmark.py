@@ -60,7 +60,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from common import fmt, MiB, output_arguments, save_results, worker_setup
+from common import fmt, MiB, output_arguments, save_results, table_head, worker_setup
 
 WORLD = 4
 VICTIM = 3
@@ -373,11 +373,11 @@ def run_route(args: argparse.Namespace, route: str, size: int) -> Dict[str, Any]
 
 
 def table(results: List[Dict[str, Any]]) -> str:
-    head = (
-        f"{'MiB':>6} {'route':>10} {'kill->first step':>17} {'detect':>7} "
-        f"{'agree':>6} {'group':>6} {'move':>6}  steps lost (by source); bytes restored"
+    lines = table_head(
+        [("MiB", 6), ("route", 10), ("kill->first step", 17), ("detect", 7)]
+        + [("agree", 6), ("group", 6), ("move", 6)],
+        "  steps lost (by source); bytes restored",
     )
-    lines = [head, "-" * len(head)]
     for r in results:
         lost = ", ".join(f"{k} {v}" for k, v in sorted(r["steps_lost"].items()))
         restored = ", ".join(

@@ -60,7 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from common import fmt, output_arguments, save_results
+from common import fmt, output_arguments, save_results, table_head
 from torchrec.distributed.resharding.plan import (
     PlacedShard,
     Rect,
@@ -318,14 +318,12 @@ def measure_agreements(sizes: List[int], repeats: int) -> List[Dict[str, Any]]:
 
 
 def planning_table(rows: List[Dict[str, Any]]) -> str:
-    head = (
-        f"{'T':>5} {'W (old)':>11} {'shards old/new':>15} {'layouts s':>9} "
-        f"{'rank min s':>10} {'median s':>8} {'max s':>7} {'max cpu s':>9} "
-        f"{'transfers':>9} {'objects s':>9} {'dry run s':>9} {'today s':>8} "
-        f"{'today cpu':>9} "
-        f"{'today is':>20} {'x faster':>8}"
+    lines = table_head(
+        [("T", 5), ("W (old)", 11), ("shards old/new", 15), ("layouts s", 9)]
+        + [("rank min s", 10), ("median s", 8), ("max s", 7), ("max cpu s", 9)]
+        + [("transfers", 9), ("objects s", 9), ("dry run s", 9), ("today s", 8)]
+        + [("today cpu", 9), ("today is", 20), ("x faster", 8)]
     )
-    lines = [head, "-" * len(head)]
     for r in rows:
         cpu = r.get("today_cpu_s")
         lines.append(
@@ -342,11 +340,10 @@ def planning_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def agreement_table(rows: List[Dict[str, Any]]) -> str:
-    head = (
-        f"{'N':>6} {'seconds':>8} {'store MiB':>10} {'bytes / N':>10} "
-        f"{'busiest trips':>13} {'today s':>8} {'today MiB':>10} {'today is':>12}"
+    lines = table_head(
+        [("N", 6), ("seconds", 8), ("store MiB", 10), ("bytes / N", 10)]
+        + [("busiest trips", 13), ("today s", 8), ("today MiB", 10), ("today is", 12)]
     )
-    lines = [head, "-" * len(head)]
     for r in rows:
         today_s = r.get("today_seconds")
         today_bytes = r.get("today_store_bytes")

@@ -88,7 +88,13 @@ from typing import Any, Dict, List, Optional, Tuple
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 sys.path.insert(0, str(BENCH_DIR))
-from common import fmt, free_port, meta_ebc, MiB  # noqa: E402 (the folder first)
+from common import (  # noqa: E402 (the folder first)
+    fmt,
+    free_port,
+    meta_ebc,
+    MiB,
+    table_head,
+)
 
 DIM = 128
 TABLES_PER_RANK = 4
@@ -1004,12 +1010,11 @@ def table_text(rows: List[Dict[str, Any]]) -> str:
     Returns:
         str: the text.
     """
-    head = (
-        f"{'size MiB':>8} {'move':<11} {'side':<9} {'min s':>7} {'median s':>8} "
-        f"{'x min':>6} {'x med':>6} {'peak MiB':>8} {'held MiB':>8}  "
-        f"{'weights':<9} forward right after each move (vs direct shard)"
+    lines = table_head(
+        [("size MiB", 8), ("move", -11), ("side", -9), ("min s", 7), ("median s", 8)]
+        + [("x min", 6), ("x med", 6), ("peak MiB", 8), ("held MiB", 8)],
+        f"  {'weights':<9} forward right after each move (vs direct shard)",
     )
-    lines = [head, "-" * len(head)]
     for r in rows:
         stock = next(
             (
