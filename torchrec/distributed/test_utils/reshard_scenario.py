@@ -36,6 +36,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     shard,
     TableSpec,
     train_step,
+    TW_CW_RW,
 )
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv
 from torchrec.modules.embedding_configs import DataType
@@ -146,12 +147,7 @@ class ReshardScenario:
 
 # Four tables under plan A, then plan B: a table-wise table moves rank, a
 # column-wise one becomes table-wise, a row-wise one column-wise, one stays.
-MIXED_PLAN_A: Dict[str, TableSpec] = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-    "t3": ("table_wise", 0),
-}
+MIXED_PLAN_A: Dict[str, TableSpec] = {**TW_CW_RW, "t3": ("table_wise", 0)}
 MIXED_PLAN_B: Dict[str, TableSpec] = {
     "t0": ("table_wise", 1),
     "t1": ("table_wise", 0),

@@ -76,6 +76,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 #   ("table_column_wise", [ranks]) and ("custom", (type, [(row, col, rows, cols, rank)]))
 TableSpec = Tuple[str, Any]
 
+# The mixed plan of three tables many tests start from (or add tables to):
+# t0 table-wise on rank 0, t1 column-wise over ranks 0 and 1, t2 row-wise.
+TW_CW_RW: Dict[str, TableSpec] = {
+    "t0": ("table_wise", 0),
+    "t1": ("column_wise", [0, 1]),
+    "t2": ("row_wise", None),
+}
+
 FUSED: str = EmbeddingComputeKernel.FUSED.value
 DENSE: str = EmbeddingComputeKernel.DENSE.value
 UVM: str = EmbeddingComputeKernel.FUSED_UVM.value

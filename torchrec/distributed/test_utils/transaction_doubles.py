@@ -40,7 +40,9 @@ from torchrec.distributed.resharding.runner import (
 from torchrec.distributed.resharding.slots import LocalSlot
 from torchrec.distributed.types import ShardingEnv
 
+# the fields of the tests' tables: fp32 weights, and a per-row state
 WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
+SUM = Field("sum", FieldKind.ROWS, torch.float32)
 WHOLE = Rect(0, 0, 4, 3)
 
 

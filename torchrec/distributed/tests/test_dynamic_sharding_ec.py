@@ -54,6 +54,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     reshard_with_reference,
     shard,
     TableSpec,
+    TW_CW_RW,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import DataType
@@ -168,11 +169,7 @@ def _run_ec_untouched_groups_kept(rank: int, world_size: int, port: str) -> None
         ec = make_ec(3, dim=DIM)
         sharder = make_ec_sharder("rowwise_adagrad")
         env = ShardingEnv.from_process_group(pg)
-        specs = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
-        }
+        specs = dict(TW_CW_RW)
         plan = make_plan(ec, specs, world_size, world_size, FUSED)  # pyre-ignore[6]
         module = shard(ec, sharder, plan, env, device)  # pyre-ignore[6]
         kept = {
@@ -239,12 +236,7 @@ class DynamicShardingECTest(MultiProcessTestBase):
         # Trained under w, then every table changes sharding type at every
         # step, through every EC type (DP included) and back to a plan that
         # runs forward everywhere.
-        w = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
-            "t3": ("table_wise", 1),
-        }
+        w = {**TW_CW_RW, "t3": ("table_wise", 1)}
         a = {**w, "t3": ("data_parallel", None)}
         b = {
             "t0": ("column_wise", [1, 1]),
@@ -262,11 +254,7 @@ class DynamicShardingECTest(MultiProcessTestBase):
             self._run(plans=[w, a, b, c], optimizer=optimizer, steps_before=2)
 
     def test_reshard_ec_dense_kernel_chain_back(self) -> None:
-        a = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
-        }
+        a = dict(TW_CW_RW)
         b = {
             "t0": ("row_wise", None),
             "t1": ("table_wise", 1),
@@ -288,12 +276,7 @@ class DynamicShardingECTest(MultiProcessTestBase):
         # DTensor state dicts (ShardingEnv.output_dtensor): trained under w,
         # then every table changes type at every step (TW->CW, CW->RW,
         # RW->TW, TW->DP, then CW->RW, RW->TW, TW->CW, DP->CW), and back.
-        w = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
-            "t3": ("table_wise", 1),
-        }
+        w = {**TW_CW_RW, "t3": ("table_wise", 1)}
         a = {
             "t0": ("column_wise", [0, 1]),
             "t1": ("row_wise", None),

@@ -54,16 +54,12 @@ from torchrec.distributed.test_utils.reshard_utils import (
     shard,
     TableSpec,
     train_step,
+    TW_CW_RW,
 )
 
 FUSED: str = EmbeddingComputeKernel.FUSED.value
 DENSE: str = EmbeddingComputeKernel.DENSE.value
-PLAN_A: Dict[str, TableSpec] = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-    "t3": ("data_parallel", None),
-}
+PLAN_A: Dict[str, TableSpec] = {**TW_CW_RW, "t3": ("data_parallel", None)}
 PLAN_B: Dict[str, TableSpec] = {
     "t0": ("table_wise", 1),  # moves
     "t1": ("column_wise", [0, 1]),  # its group stays as it is

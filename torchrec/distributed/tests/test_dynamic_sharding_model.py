@@ -42,6 +42,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     multi_process_settings,
     ReshardTestBase,
     TableSpec,
+    TW_CW_RW,
 )
 
 
@@ -109,11 +110,7 @@ def _run_model_reshard(
 
 
 PLAN_A = {
-    "sparse_a": {
-        "t0": ("table_wise", 0),
-        "t1": ("column_wise", [0, 1]),
-        "t2": ("row_wise", None),
-    },
+    "sparse_a": dict(TW_CW_RW),
     "sparse_b": {"t0": ("table_wise", 1), "t1": ("data_parallel", None)},
     "seq": {"t0": ("table_wise", 0), "t1": ("row_wise", None)},
 }

@@ -31,6 +31,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     ReshardTestBase,
     shard,
     TableSpec,
+    TW_CW_RW,
 )
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import DataType
@@ -199,9 +200,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
     def test_reshard_every_type_change_in_one_call(self) -> None:
         # Seven tables, each changing type differently, in one delta; then back.
         a = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
+            **TW_CW_RW,
             "t3": ("data_parallel", None),
             "t4": ("table_row_wise", 0),
             "t5": ("grid_shard", [0]),
@@ -301,11 +300,7 @@ class DynamicShardingTypesTest(ReshardTestBase):
         )
 
     def test_reshard_dtensor_state_dict(self) -> None:
-        a = {
-            "t0": ("table_wise", 0),
-            "t1": ("column_wise", [0, 1]),
-            "t2": ("row_wise", None),
-        }
+        a = dict(TW_CW_RW)
         b = {
             "t0": ("column_wise", [1, 0]),
             "t1": ("table_wise", 1),

@@ -19,7 +19,7 @@ from torchrec.distributed.sharding.dynamic_sharding import (
     output_sharding_plan_delta_single,
     output_sharding_plans_delta,
 )
-from torchrec.distributed.test_utils.reshard_utils import make_ebc, make_plan
+from torchrec.distributed.test_utils.reshard_utils import make_ebc, make_plan, TW_CW_RW
 from torchrec.distributed.types import EmbeddingModuleShardingPlan
 
 WORLD_SIZE = 4
@@ -35,11 +35,7 @@ def _plan(specs: dict) -> EmbeddingModuleShardingPlan:  # pyre-ignore[24]
 
 
 # rows of t0, t1, t2 in make_ebc(3): 24, 27, 30; 16 columns each
-A = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-}
+A = dict(TW_CW_RW)
 
 
 class PlanDeltaTest(unittest.TestCase):

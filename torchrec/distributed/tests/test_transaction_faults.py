@@ -60,6 +60,7 @@ from torchrec.distributed.test_utils.reshard_utils import (
     delta,
     ReshardTestBase,
     train_step,
+    TW_CW_RW,
 )
 from torchrec.distributed.types import ShardingEnv
 
@@ -167,11 +168,7 @@ class _Expect:
 
 # ---------------------------------------------------------------- reshard
 
-PLAN_A = {
-    "t0": ("table_wise", 0),
-    "t1": ("column_wise", [0, 1]),
-    "t2": ("row_wise", None),
-}
+PLAN_A = dict(TW_CW_RW)
 PLAN_B = {"t0": ("table_wise", 1), "t1": ("table_wise", 0), "t2": ("row_wise", None)}
 
 

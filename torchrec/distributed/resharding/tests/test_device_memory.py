@@ -66,11 +66,11 @@ from torchrec.distributed.test_utils.transaction_doubles import (
     CopyParticipant,
     env_keeping,
     RecordingGroups,
+    SUM,
+    WEIGHT,
 )
 from torchrec.distributed.types import ShardingPlan
 
-WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
-SUM = Field("sum", FieldKind.ROWS, torch.float32)
 CUDA0 = torch.device("cuda", 0)
 
 

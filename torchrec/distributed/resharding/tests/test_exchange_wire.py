@@ -44,18 +44,17 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     BoundedMultiProcessContext,
     MultiRankTestBase,
 )
+from torchrec.distributed.test_utils.transaction_doubles import SUM, WEIGHT
 
-WEIGHT32 = Field("weight", FieldKind.RECT, torch.float32)
 WEIGHT16 = Field("weight", FieldKind.RECT, torch.float16)
-ROW_SUM = Field("sum", FieldKind.ROWS, torch.float32)
 STEP = Field("step", FieldKind.SCALAR, torch.int64)
 
 # table -> (rows, cols, fields)
 TABLES: Dict[str, Tuple[int, int, Tuple[Field, ...]]] = {
-    "big": (256, 64, (WEIGHT32, ROW_SUM)),  # 64 KiB weight: a message of its own
-    "wide": (256, 96, (WEIGHT32,)),  # columns 32.. travel: a strided source
-    "back": (300, 64, (WEIGHT32, STEP)),  # from rank 1 to rank 0
-    "tiny": (8, 4, (WEIGHT32, ROW_SUM)),  # packed with the other small ones
+    "big": (256, 64, (WEIGHT, SUM)),  # 64 KiB weight: a message of its own
+    "wide": (256, 96, (WEIGHT,)),  # columns 32.. travel: a strided source
+    "back": (300, 64, (WEIGHT, STEP)),  # from rank 1 to rank 0
+    "tiny": (8, 4, (WEIGHT, SUM)),  # packed with the other small ones
     "half": (16, 8, (WEIGHT16,)),  # packed alone (its own dtype)
 }
 
@@ -188,9 +187,9 @@ def _check_in_place(rank: int, stats: ExchangeStats, with_targets: bool) -> None
     float32 pieces of three tensors lie in no common storage; the float16
     piece and the int64 step are messages of one small piece each.
     """
-    big, wide = _nbytes("big", WEIGHT32), _nbytes("wide", WEIGHT32)
+    big, wide = _nbytes("big", WEIGHT), _nbytes("wide", WEIGHT)
     half = _nbytes("half", WEIGHT16)
-    back = _nbytes("back", WEIGHT32) + _nbytes("back", STEP)
+    back = _nbytes("back", WEIGHT) + _nbytes("back", STEP)
     if rank == 0:
         assert stats.bytes_sent_in_place == big + half, stats
         assert stats.bytes_received_in_place == (back if with_targets else 0), stats

@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch.profiler import profile, ProfilerActivity
-from torchrec.distributed.resharding.fields import Field, FieldKind
+from torchrec.distributed.resharding.fields import FieldKind
 from torchrec.distributed.resharding.plan import (
     PlacedShard,
     Rect,
@@ -42,9 +42,8 @@ from torchrec.distributed.resharding.slots import LocalSlot
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
 )
+from torchrec.distributed.test_utils.transaction_doubles import SUM, WEIGHT
 
-WEIGHT = Field("weight", FieldKind.RECT, torch.float32)
-SUM = Field("sum", FieldKind.ROWS, torch.float32)
 WHOLE = Rect(0, 0, 3, 4)
 HALVES = (Rect(0, 0, 3, 2), Rect(0, 2, 3, 2))
 
