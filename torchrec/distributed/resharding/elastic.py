@@ -315,9 +315,29 @@ class ModelMove(Participant[MoveFacts, AgreedMove]):
         """The old and new layouts, in transaction ranks: once per move."""
         if self._old:
             return
+        self._old = self._old_layouts(old_plan, tables, old_ranks)
+        self._new = plan_layouts(self._new_plan, tables, self._positions(new_ranks))
+
+    def _positions(self, ranks: Sequence[int]) -> List[int]:
+        """Global ``ranks`` as transaction ranks (positions in the union)."""
         index = {g: i for i, g in enumerate(self._union)}
-        self._old = plan_layouts(old_plan, tables, [index[g] for g in old_ranks])
-        self._new = plan_layouts(self._new_plan, tables, [index[g] for g in new_ranks])
+        return [index[g] for g in ranks]
+
+    def _old_layouts(
+        self, old_plan: ShardingPlan, tables: Dict[str, Any], old_ranks: Sequence[int]
+    ) -> Dict[str, TableLayout]:
+        """
+        The tables' layouts before the move, in transaction ranks.
+
+        Args:
+            old_plan (ShardingPlan): the old group's plan.
+            tables (Dict[str, Any]): the tables, by module path.
+            old_ranks (Sequence[int]): the old group's global ranks.
+
+        Returns:
+            Dict[str, TableLayout]: the layouts, by table key.
+        """
+        return plan_layouts(old_plan, tables, self._positions(old_ranks))
 
     def merge(self, facts: Sequence[MoveFacts]) -> AgreedMove:
         agreed = check_move_agreement(self._union, facts)

@@ -268,10 +268,7 @@ def sharding_unchanged(
     lays the table's storage out as the old one did).
 
     Args:
-        old (ParameterSharding): the table's sharding before.
-        new (ParameterSharding): its sharding after.
-        old_layout (TableLayout): its layout before.
-        new_layout (TableLayout): its layout after (the same rank numbering).
+        old, new, old_layout, new_layout: as for :func:`placement_unchanged`.
 
     Returns:
         bool: whether the table's sharding is unchanged.

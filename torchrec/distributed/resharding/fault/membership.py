@@ -218,24 +218,55 @@ def _delete_generation(store: dist.Store, keys: StoreKeys, generation: int) -> N
         store.delete_key(keys.of(generation, what))
 
 
-def _coordinate(
-    store: dist.Store,
-    keys: StoreKeys,
-    current: Membership,
-    fault: Optional[FaultReport],
-    deadline: float,
-    options: FaultOptions,
-) -> Membership:
+@dataclass(frozen=True)
+class _CheckIn:
+    """
+    A rank's check-in to the end of a generation: what the coordinator and
+    the ranks awaiting its decision read.
+
+    Args:
+        store (dist.Store): the job's store.
+        keys (StoreKeys): the job's keys.
+        current (Membership): the generation that fails.
+        fault (Optional[FaultReport]): the generation's fault report.
+        deadline (float): when those missing count as lost
+            (``time.monotonic()``).
+        options (FaultOptions): the bounds.
+    """
+
+    store: dist.Store
+    keys: StoreKeys
+    current: Membership
+    fault: Optional[FaultReport]
+    deadline: float
+    options: FaultOptions
+
+    def decision(self) -> Optional[Membership]:
+        """The generation's decision, if one is posted."""
+        return _decision(self.store, self.keys, self.current.generation)
+
+    def present(self) -> List[int]:
+        """The ranks that checked in so far."""
+        return _present(self.store, self.keys, self.current.generation)
+
+    def propose(self, present: Sequence[int]) -> Membership:
+        """Proposes ``present`` as the next members; the first proposal stands."""
+        return _propose(self.store, self.keys, self.current, present, self.fault)
+
+
+def _coordinate(check_in: _CheckIn) -> Membership:
     """
     The first rank to check in: decides once every member that has not
     checked in is known lost (its heartbeat stood still, or the fault's
     reporter saw it stop), or at the deadline.
     """
-    staleness = Staleness(options.heartbeat_timeout.total_seconds())
+    store, keys, current = check_in.store, check_in.keys, check_in.current
+    staleness = Staleness(check_in.options.heartbeat_timeout.total_seconds())
+    fault = check_in.fault
     reported = set(fault.stale) if fault is not None else set()
     size = len(current.members)
     while True:
-        decided = _decision(store, keys, current.generation)
+        decided = check_in.decision()
         if decided is not None:
             return decided
         now = time.monotonic()
@@ -243,7 +274,7 @@ def _coordinate(
         if int(store.add(keys.of(current.generation, "arrived"), 0)) >= size:
             present = list(current.members)
         else:
-            present = _present(store, keys, current.generation)
+            present = check_in.present()
             missing = [r for r in current.members if r not in set(present)]
             lost = [
                 r
@@ -251,11 +282,11 @@ def _coordinate(
                 if r in reported
                 or staleness.stale(r, int(store.add(keys.heartbeat(r), 0)), now)
             ]
-            if len(lost) < len(missing) and now < deadline:
+            if len(lost) < len(missing) and now < check_in.deadline:
                 time.sleep(SLICE_S)
                 continue
         _delete_generation(store, keys, current.generation - 2)
-        return _propose(store, keys, current, present, fault)
+        return check_in.propose(present)
 
 
 def agree_on_members(
@@ -295,10 +326,8 @@ def agree_on_members(
         order = int(store.add(keys.of(generation, "arrived"), 1))
         join_s = options.join_bound.total_seconds()
         deadline = time.monotonic() + join_s
-        if order == 1:
-            decided = _coordinate(store, keys, current, fault, deadline, options)
-        else:
-            decided = _await_decision(store, keys, current, fault, deadline, options)
+        check_in = _CheckIn(store, keys, current, fault, deadline, options)
+        decided = _coordinate(check_in) if order == 1 else _await_decision(check_in)
     except (RuntimeError, OSError) as e:  # DistStoreError, DistNetworkError
         raise store_lost(e) from e
     if rank not in decided.members:
@@ -318,25 +347,16 @@ def agree_on_members(
     return decided
 
 
-def _await_decision(
-    store: dist.Store,
-    keys: StoreKeys,
-    current: Membership,
-    fault: Optional[FaultReport],
-    deadline: float,
-    options: FaultOptions,
-) -> Membership:
+def _await_decision(check_in: _CheckIn) -> Membership:
     """
     A rank that is not the coordinator waits for its decision; past the
     deadline and a grace (the coordinator may be gone) it proposes those
     present itself.
     """
-    grace = max(1.0, 5 * options.heartbeat_interval.total_seconds())
-    while time.monotonic() < deadline + grace:
-        decided = _decision(store, keys, current.generation)
+    grace = max(1.0, 5 * check_in.options.heartbeat_interval.total_seconds())
+    while time.monotonic() < check_in.deadline + grace:
+        decided = check_in.decision()
         if decided is not None:
             return decided
         time.sleep(SLICE_S)
-    return _propose(
-        store, keys, current, _present(store, keys, current.generation), fault
-    )
+    return check_in.propose(check_in.present())

@@ -42,10 +42,10 @@ from torchrec.distributed.resharding.model_view import (
     sharded_tables,
 )
 from torchrec.distributed.resharding.options import ReshardOptions
+from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.runner import run_transaction, Slots
 from torchrec.distributed.resharding.slots import LocalSlot, SlotKey
 from torchrec.distributed.resharding.transaction_report import TransactionReport
-from torchrec.distributed.resharding.whole_plan import plan_layouts
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -113,20 +113,14 @@ class Recovery(ModelMove):
             )
         return facts
 
-    def _layouts(
-        self,
-        old_plan: ShardingPlan,
-        tables: Dict[str, Any],
-        old_ranks: Sequence[int],
-        new_ranks: Sequence[int],
-    ) -> None:
-        if self._old:
-            return
-        self._old = recovery_old_layouts(
+    def _old_layouts(
+        self, old_plan: ShardingPlan, tables: Dict[str, Any], old_ranks: Sequence[int]
+    ) -> Dict[str, TableLayout]:
+        # the old group has lost ranks: a lost shard stands as the pieces of
+        # its source on the survivors
+        return recovery_old_layouts(
             old_plan, tables, self._old_group, self._union, self._sources
         )
-        index = {g: i for i, g in enumerate(self._union)}
-        self._new = plan_layouts(self._new_plan, tables, [index[g] for g in new_ranks])
 
     def slots(self) -> Tuple[Slots, Slots]:
         old, new = super().slots()

@@ -20,7 +20,7 @@ attributes. Each module type's adapter is in the module named as upstream's
 import abc
 import gc
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -134,7 +134,6 @@ class ShardedModuleAdapter(abc.ABC):
 
     # ------------------------------------------------------ build and install
 
-    @abc.abstractmethod
     def create_sharding(
         self,
         infos: List[EmbeddingShardingInfo],
@@ -142,6 +141,28 @@ class ShardedModuleAdapter(abc.ABC):
         device: Optional[torch.device],
     ) -> Any:
         """A sharding object for one group of tables of one sharding type."""
+        return self.sharding_factory(infos)(
+            sharding_infos=infos,
+            env=env,
+            device=device,
+            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
+        )
+
+    @abc.abstractmethod
+    def sharding_factory(
+        self, infos: List[EmbeddingShardingInfo]
+    ) -> Callable[..., Any]:
+        """
+        TorchRec's function that creates the module's shardings, with what a
+        group needs besides its tables, environment, device and codecs bound.
+
+        Args:
+            infos (List[EmbeddingShardingInfo]): the group's tables.
+
+        Returns:
+            Callable[..., Any]: called with ``sharding_infos``, ``env``,
+            ``device`` and ``qcomm_codecs_registry``.
+        """
 
     def wrap_lookup(self, sharding_type: str, lookup: nn.Module) -> nn.Module:
         """A new lookup as the module wraps it (DDP for data parallel)."""

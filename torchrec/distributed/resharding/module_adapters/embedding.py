@@ -15,13 +15,12 @@ is the generic transaction (``reshard``); the module installs the new
 groups with its own ``_install_sharding_groups``.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, List, Sequence, Tuple
 
-import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.resharding.module_adapters.base import ShardedModuleAdapter
-from torchrec.distributed.types import ShardingEnv
 
 
 class EmbeddingCollectionAdapter(ShardedModuleAdapter):
@@ -39,18 +38,11 @@ class EmbeddingCollectionAdapter(ShardedModuleAdapter):
             )
         ]
 
-    def create_sharding(
-        self,
-        infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device],
-    ) -> Any:
+    def sharding_factory(
+        self, infos: List[EmbeddingShardingInfo]
+    ) -> Callable[..., Any]:
         from torchrec.distributed.embedding import create_embedding_sharding
 
-        return create_embedding_sharding(
-            sharding_type=infos[0].param_sharding.sharding_type,
-            sharding_infos=infos,
-            env=env,
-            device=device,
-            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
-        )
+        # a group holds the tables of one sharding type
+        sharding_type = infos[0].param_sharding.sharding_type
+        return functools.partial(create_embedding_sharding, sharding_type)

@@ -13,13 +13,12 @@ upstream's ``torchrec.distributed.embeddingbag``): how its groups are read
 and built; it installs them with its own ``_install_sharding_groups``.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+import functools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.resharding.module_adapters.base import ShardedModuleAdapter
-from torchrec.distributed.types import ShardingEnv
 
 
 class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
@@ -32,21 +31,12 @@ class EmbeddingBagCollectionAdapter(ShardedModuleAdapter):
         m = self.module
         return list(zip(m._sharding_types, m._embedding_shardings, m._lookups))
 
-    def create_sharding(
-        self,
-        infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device],
-    ) -> Any:
+    def sharding_factory(
+        self, infos: List[EmbeddingShardingInfo]
+    ) -> Callable[..., Any]:
         from torchrec.distributed.embeddingbag import create_embedding_bag_sharding
 
-        return create_embedding_bag_sharding(
-            infos,
-            env,
-            device,
-            permute_embeddings=True,
-            qcomm_codecs_registry=self.module.qcomm_codecs_registry,
-        )
+        return functools.partial(create_embedding_bag_sharding, permute_embeddings=True)
 
     # the pooled output, a KeyedTensor, is read by position too
     positional_output: bool = True
