@@ -18,7 +18,7 @@ import argparse
 import json
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 MiB: int = 1 << 20
 
@@ -37,6 +37,44 @@ def output_arguments() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-plot", action="store_true", help="write no plot")
     return p
+
+
+def benchmark_parser(
+    description: Optional[str],
+    formatter_class: Type[argparse.HelpFormatter] = argparse.HelpFormatter,
+) -> argparse.ArgumentParser:
+    """
+    A benchmark's argument parser, with the output arguments
+    (:func:`output_arguments`).
+
+    Args:
+        description (Optional[str]): what ``--help`` says the benchmark
+            does.
+        formatter_class (Type[argparse.HelpFormatter]): how ``--help`` lays
+            it out.
+
+    Returns:
+        argparse.ArgumentParser: the parser; the benchmark adds its own
+        arguments.
+    """
+    return argparse.ArgumentParser(
+        description=description,
+        formatter_class=formatter_class,
+        parents=[output_arguments()],
+    )
+
+
+def save_figure(fig: Any, path: str, dpi: Optional[int] = 110) -> None:
+    """
+    Lays a matplotlib figure out tightly and writes it to ``path``.
+
+    Args:
+        fig (matplotlib.figure.Figure): the figure.
+        path (str): the image file.
+        dpi (Optional[int]): its resolution (None: matplotlib's default).
+    """
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
 
 
 def fmt(x: Optional[float], spec: str) -> str:

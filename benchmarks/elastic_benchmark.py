@@ -69,12 +69,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import (
+    benchmark_parser,
     fmt,
     free_port,
     gather_to_json,
     MiB,
-    output_arguments,
     progress,
+    save_figure,
     save_results,
     worker_setup,
 )
@@ -1134,8 +1135,7 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle("\n".join(textwrap.wrap(title, 120)), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def default_ckpt_dir() -> str:
@@ -1146,12 +1146,11 @@ def default_ckpt_dir() -> str:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        parents=[output_arguments()],
-        description="Benchmark moving a running DistributedModelParallel model "
+    p = benchmark_parser(
+        "Benchmark moving a running DistributedModelParallel model "
         "between groups of ranks (shrink 4 -> 2, grow 2 -> 4) live against the "
         "checkpoint route, on 4 gloo ranks (CPU).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--sizes-mib",

@@ -33,7 +33,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import fmt, free_port, gather_to_json, output_arguments, save_results
+from common import benchmark_parser, fmt, free_port, gather_to_json, save_results
 from reshard_benchmark import make_ebc, make_plan, shard
 
 MODES = ("per_reshard", "kept")
@@ -142,11 +142,7 @@ def print_table(rows: List[Dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        parents=[output_arguments()],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = benchmark_parser(__doc__, argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     parser.add_argument("--rows", type=int, default=4096)

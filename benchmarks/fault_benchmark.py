@@ -60,7 +60,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from common import fmt, MiB, output_arguments, save_results, table_head, worker_setup
+from common import (
+    benchmark_parser,
+    fmt,
+    MiB,
+    save_figure,
+    save_results,
+    table_head,
+    worker_setup,
+)
 
 WORLD = 4
 VICTIM = 3
@@ -71,9 +79,7 @@ KEY = "fault_benchmark"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], parents=[output_arguments()]
-    )
+    p = benchmark_parser(__doc__.split("\n\n")[0])
     p.add_argument("--sizes-mib", default="256,1024", help="table sizes, MiB")
     p.add_argument(
         "--routes", default="snapshot,checkpoint,restart", help="routes to run"
@@ -424,8 +430,7 @@ def plot(results: List[Dict[str, Any]], path: str) -> None:
     ax.set_ylabel("kill -> first step on the survivors (s)")
     ax.set_title("surviving a lost rank vs restarting from a checkpoint (4 gloo ranks)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path, dpi=None)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

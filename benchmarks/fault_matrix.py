@@ -32,13 +32,12 @@ Example::
     python benchmarks/fault_matrix.py --rows forward,optimizer
 """
 
-import argparse
 import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from common import fmt, output_arguments, save_results
+from common import benchmark_parser, fmt, save_results
 from torchrec.distributed.test_utils.fault_scenarios import (
     FAULT_JOBS,
     run_scenario,
@@ -158,9 +157,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[1], parents=[output_arguments()]
-    )
+    p = benchmark_parser(__doc__.split("\n\n")[1])
     p.add_argument(
         "--rows",
         default=",".join(JOBS),

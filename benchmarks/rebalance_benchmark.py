@@ -68,9 +68,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import (
+    benchmark_parser,
     free_port,
     gather_to_json,
-    output_arguments,
+    save_figure,
     save_results,
     worker_setup,
 )
@@ -466,16 +467,11 @@ def plot(args: argparse.Namespace, summary: Dict[str, Any], path: str) -> None:
     ax.set_ylabel(f"ms per step (blocks of {args.block} between barriers)")
     ax.set_title("Live rebalancing on 2 ranks (dashed: reshards)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        parents=[output_arguments()],
-    )
+    p = benchmark_parser(__doc__, argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", type=int, default=8)
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--dim", type=int, default=32)

@@ -42,13 +42,13 @@ from typing import Dict, List, Union
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import fmt, meta_ebc, output_arguments, save_results  # noqa: E402
+from common import benchmark_parser, fmt, meta_ebc, save_results  # noqa: E402
 
 MODES = ("none", "thread", "process")
 
 
 def _arguments() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, parents=[output_arguments()])
+    p = benchmark_parser(__doc__)
     p.add_argument("--tables", type=int, default=32, help="tables trained")
     p.add_argument("--rows", type=int, default=20000)
     p.add_argument("--dim", type=int, default=64)

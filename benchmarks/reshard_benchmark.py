@@ -57,13 +57,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import (
+    benchmark_parser,
     fmt,
     free_port,
     gather_to_json,
     meta_ebc,
     MiB,
-    output_arguments,
     progress,
+    save_figure,
     save_results,
     worker_setup,
 )
@@ -703,16 +704,14 @@ def plot(rows: List[Dict[str, Any]], path: str, title: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        parents=[output_arguments()],
-        description="Benchmark live resharding of a ShardedEmbeddingBagCollection "
+    p = benchmark_parser(
+        "Benchmark live resharding of a ShardedEmbeddingBagCollection "
         "against the all_to_all_single floors and the checkpoint route.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "--sizes-mib",

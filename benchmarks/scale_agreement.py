@@ -53,7 +53,6 @@ The rows also go to ``scale_agreement.json`` in ``--out-dir`` (default
     python benchmarks/scale_agreement.py --sizes 64,256,1024 --repeats 3
 """
 
-import argparse
 import contextlib
 import gc
 import hashlib
@@ -66,7 +65,7 @@ from datetime import timedelta
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
-from common import MiB, output_arguments, save_results
+from common import benchmark_parser, MiB, save_results
 from torchrec.distributed.resharding.agreement import agree_on_store
 from torchrec.distributed.resharding.plan import ReshardAbortedError, ReshardError
 from torchrec.distributed.test_utils.store_participants import (
@@ -368,9 +367,7 @@ def print_table(rows: List[Dict[str, float]]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], parents=[output_arguments()]
-    )
+    parser = benchmark_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="64,256,1024")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--today-max-n", type=int, default=TODAY_MAX_N)

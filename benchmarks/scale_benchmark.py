@@ -60,7 +60,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-from common import fmt, output_arguments, save_results, table_head
+from common import benchmark_parser, fmt, save_figure, save_results, table_head
 from torchrec.distributed.resharding.plan import (
     PlacedShard,
     Rect,
@@ -493,8 +493,7 @@ def plot(
         h2, l2 = twin.get_legend_handles_labels()
         ax2.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left")
     fig.suptitle(textwrap.fill(title, 150), fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def ints(text: str) -> List[int]:
@@ -502,10 +501,9 @@ def ints(text: str) -> List[int]:
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        parents=[output_arguments()],
-        description="How planning and agreement costs grow with ranks and tables.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = benchmark_parser(
+        "How planning and agreement costs grow with ranks and tables.",
+        argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--tables", type=str, default="100,1000", help="T values")
     p.add_argument(

@@ -49,11 +49,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import output_arguments, save_results  # noqa: E402
+from common import benchmark_parser, save_results  # noqa: E402
 
 
 def _arguments() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, parents=[output_arguments()])
+    p = benchmark_parser(__doc__)
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--pooling", type=int, default=4000, help="ids per sample")
