@@ -14,10 +14,13 @@ constraints of the planner that made its first plan, and the model with its
 optimizer.
 """
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
 from torchrec.datasets.utils import Batch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -26,8 +29,17 @@ from torchrec.distributed.planner import (
     ParameterConstraints,
     Topology,
 )
+from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.model_zoo import equal_tables_dlrm
-from torchrec.distributed.test_utils.reshard_utils import make_plan
+from torchrec.distributed.test_utils.multi_process_utils import (
+    single_rank_process_group,
+)
+from torchrec.distributed.test_utils.reshard_utils import (
+    assert_optimizer_states_equal,
+    assert_state_dicts_equal,
+    make_plan,
+)
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     ShardingEnv,
@@ -39,6 +51,15 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
+# What the old module rebalance/load.py gives of rebalance/statistics.py.
+LOAD_STATISTICS_NAMES: Tuple[str, ...] = (
+    "RANK_FIELDS",
+    "FeatureSlot",
+    "TableLoad",
+    "LoadStatistics",
+    "feature_slots",
+    "statistics_from_vector",
+)
 DENSE_IN = 4
 
 
@@ -224,3 +245,122 @@ def decision_summary(decisions: Sequence[object]) -> List[Dict[str, object]]:
         row = {k: getattr(d, k) for k in keys}
         summary.append(row)
     return summary
+
+
+# Four table-wise tables, alternating between ranks 0 and 1.
+ALTERNATING_TABLE_WISE: Dict[str, Tuple[str, object]] = {
+    "t0": ("table_wise", 0),
+    "t1": ("table_wise", 1),
+    "t2": ("table_wise", 0),
+    "t3": ("table_wise", 1),
+}
+
+
+@contextmanager
+def one_rank_rebalance_model(
+    num_tables: int, rows: int, dim: int, batch_size: int
+) -> Iterator[Tuple[DistributedModelParallel, EmbeddingShardingPlanner]]:
+    """
+    The DLRM on a one-rank gloo group, as its table-wise planner plans it
+    for a uniform load.
+
+    Args:
+        num_tables (int): number of tables.
+        rows (int): rows of each table.
+        dim (int): embedding dimension.
+        batch_size (int): the planner's batch size.
+
+    Returns:
+        Iterator[Tuple[DistributedModelParallel, EmbeddingShardingPlanner]]:
+        the model and the planner, while the group lives.
+    """
+    with single_rank_process_group() as pg:
+        env = ShardingEnv.from_process_group(pg)
+        planner = table_wise_planner(1, batch_size, [1.0] * num_tables)
+        plan = planned(planner, num_tables, rows, dim)
+        model, _ = rebalance_model(
+            env, torch.device("cpu"), plan, num_tables, rows, dim
+        )
+        yield model, planner
+
+
+def dlrm_train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch
+) -> torch.Tensor:
+    """
+    One training step of the DLRM without a pipeline.
+
+    Returns:
+        torch.Tensor: the step's loss, detached.
+    """
+    optimizer.zero_grad()
+    loss, _ = model(batch)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+def train_rebalanced(
+    pipeline: TrainPipelineSparseDist,
+    rebalancer: Rebalancer,
+    batches: Sequence[Batch],
+) -> List[torch.Tensor]:
+    """
+    Trains on every batch through ``pipeline``, a rebalancer step after each,
+    then closes the rebalancer.
+
+    Returns:
+        List[torch.Tensor]: the loss of every step, detached.
+    """
+    it: Iterator[Batch] = iter(batches)
+    losses = []
+    for _ in batches:
+        losses.append(pipeline.progress(it)[0].detach())
+        rebalancer.step()
+    rebalancer.close()
+    return losses
+
+
+def same_everywhere(value: Any) -> None:
+    """Asserts that every rank of the default group passes an equal ``value``."""
+    values: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    assert all(v == values[0] for v in values), values
+
+
+def assert_replays_by_hand(
+    model: DistributedModelParallel,
+    losses: Sequence[torch.Tensor],
+    reshards: Sequence[Any],
+    start: ShardingPlan,
+    batches: Sequence[Batch],
+    env: ShardingEnv,
+    shape: Tuple[int, int, int],
+) -> None:
+    """
+    A rebalanced run equals, bit for bit, the same plans applied by hand at
+    the same steps: a new model from ``start`` trains on ``batches`` with the
+    pipeline and reshards to each decision's plan after its step; every loss,
+    the final plan, the weights and the optimizer state must be equal.
+
+    Args:
+        model (DistributedModelParallel): the rebalanced model, after its run.
+        losses (Sequence[torch.Tensor]): its loss at every step (from 1).
+        reshards (Sequence[RebalanceDecision]): its reshard decisions.
+        start (ShardingPlan): the plan it started from.
+        batches (Sequence[Batch]): this rank's batches of the run.
+        env (ShardingEnv): the run's environment.
+        shape (Tuple[int, int, int]): the DLRM's tables, rows and dimension.
+    """
+    by_step = {d.step: d.plan for d in reshards}
+    replay, replay_optimizer = rebalance_model(env, model.device, start, *shape)
+    pipeline = TrainPipelineSparseDist(replay, replay_optimizer, model.device)
+    it = iter(batches)
+    for step in range(1, len(losses) + 1):
+        loss = pipeline.progress(it)[0].detach()
+        assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
+        if step in by_step:
+            replay.reshard(by_step[step])
+    assert replay.plan.plan == model.plan.plan
+    assert_state_dicts_equal(model.state_dict(), replay.state_dict())
+    assert_optimizer_states_equal(model, replay)

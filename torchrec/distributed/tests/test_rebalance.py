@@ -19,28 +19,26 @@ load never reshards.
 """
 
 import unittest
-from typing import Any, Iterator, List
 
-import torch
-import torch.distributed as dist
-from torchrec.datasets.utils import Batch
 from torchrec.distributed.resharding.model import plan_delta
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.rebalance_utils import (
+    assert_replays_by_hand,
     cpu_topology,
     decision_summary,
+    dlrm_train_step,
     EBC_PATH,
     loaded_batches,
     planned,
     rebalance_model,
+    same_everywhere,
     table_wise_constraints,
     table_wise_planner,
     tables_on,
+    train_rebalanced,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_optimizer_states_equal,
-    assert_state_dicts_equal,
     BoundedMultiProcessContext,
     ReshardTestBase,
 )
@@ -49,13 +47,6 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 NUM_TABLES, ROWS, DIM, BATCH = 4, 64, 16, 64
 WINDOW, SHIFT_AT, STEPS = 3, 6, 15
 UNIFORM, HOT, COLD = 2, 1500, 1
-
-
-def _same_everywhere(value: Any) -> None:
-    """Asserts that every rank passes an equal ``value``."""
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    assert all(v == values[0] for v in values), values
 
 
 def _run_shift(rank: int, world_size: int, port: str) -> None:
@@ -85,17 +76,12 @@ def _run_shift(rank: int, world_size: int, port: str) -> None:
             batch_size=BATCH,
             constraints=table_wise_constraints([UNIFORM] * NUM_TABLES),
         )
-        it: Iterator[Batch] = iter(batches)
-        losses = []
-        for _ in range(STEPS):
-            losses.append(pipeline.progress(it)[0].detach())
-            rebalancer.step()
-        rebalancer.close()
+        losses = train_rebalanced(pipeline, rebalancer, batches)
 
         decisions = rebalancer.history
         if rank == 0:
             print(rebalancer.history_table())
-        _same_everywhere(decision_summary(decisions))
+        same_everywhere(decision_summary(decisions))
         reshards = [d for d in decisions if d.action == "reshard"]
         assert len(reshards) >= 1, rebalancer.history_table()
         first = reshards[0]
@@ -113,20 +99,8 @@ def _run_shift(rank: int, world_size: int, port: str) -> None:
         assert len(rebalancer.outcomes) >= 1  # predicted vs measured, reported
 
         # The same plans by hand at the same steps: bit-equal.
-        by_step = {d.step: d.plan for d in reshards}
-        replay, replay_optimizer = rebalance_model(
-            env, device, plan_a, NUM_TABLES, ROWS, DIM
-        )
-        replay_pipeline = TrainPipelineSparseDist(replay, replay_optimizer, device)
-        it = iter(batches)
-        for step in range(1, STEPS + 1):
-            loss = replay_pipeline.progress(it)[0].detach()
-            assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
-            if step in by_step:
-                replay.reshard(by_step[step])
-        assert replay.plan.plan == model.plan.plan
-        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
-        assert_optimizer_states_equal(model, replay)
+        shape = (NUM_TABLES, ROWS, DIM)
+        assert_replays_by_hand(model, losses, reshards, plan_a, batches, env, shape)
 
 
 def _run_stationary(rank: int, world_size: int, port: str) -> None:
@@ -144,12 +118,9 @@ def _run_stationary(rank: int, world_size: int, port: str) -> None:
             RebalancePolicy(window=2, min_gain=0.1, hysteresis=1, min_interval=0),
         )
         for batch in batches:  # a plain loop
-            optimizer.zero_grad()
-            loss, _ = model(batch)
-            loss.backward()
-            optimizer.step()
+            dlrm_train_step(model, optimizer, batch)
             rebalancer.step()
-        _same_everywhere(decision_summary(rebalancer.history))
+        same_everywhere(decision_summary(rebalancer.history))
         assert len(rebalancer.history) == steps // 2
         assert all(
             d.action == "keep" for d in rebalancer.history

@@ -17,33 +17,23 @@ below one.
 
 import unittest
 
-import torch
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
-from torchrec.distributed.test_utils.multi_process_utils import (
-    single_rank_process_group,
-)
 from torchrec.distributed.test_utils.rebalance_utils import (
     cpu_topology,
-    planned,
-    rebalance_model,
-    table_wise_planner,
+    one_rank_rebalance_model,
 )
-from torchrec.distributed.types import ShardingEnv
 
 NUM_TABLES, ROWS, DIM, BATCH = 3, 32, 8, 5
 
 
 class RebalancerBadInputTest(unittest.TestCase):
     def test_rebalancer_refuses_bad_budget_and_topology(self) -> None:
-        with single_rank_process_group() as pg:
-            env = ShardingEnv.from_process_group(pg)
-            planner = table_wise_planner(1, BATCH, [1.0] * NUM_TABLES)
-            plan = planned(planner, NUM_TABLES, ROWS, DIM)
-            model, _ = rebalance_model(
-                env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
-            )
+        with one_rank_rebalance_model(NUM_TABLES, ROWS, DIM, BATCH) as (
+            model,
+            planner,
+        ):
             smallest = ROWS * DIM * 4
             topology = cpu_topology(1)
             with self.assertRaisesRegex(ValueError, "below the smallest shard"):

@@ -31,7 +31,7 @@ import threading
 import time
 import unittest
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,11 @@ from torchrec.distributed.resharding.rebalance.replan import ReplanRequest
 from torchrec.distributed.test_utils.rebalance_utils import (
     cpu_topology,
     decision_summary,
+    dlrm_train_step,
     hand_plan,
     loaded_batches,
     rebalance_model,
+    same_everywhere,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_state_dicts_equal,
@@ -70,12 +72,6 @@ START = {
     "t3": ("table_wise", 1),
 }
 TABLE_BYTES = ROWS * DIM * 4 * 2  # weights and optimizer state (state_factor 2)
-
-
-def _same_everywhere(value: Any) -> None:
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    assert all(v == values[0] for v in values), values
 
 
 def _wait(what: Callable[[], bool], seconds: float = 60.0) -> None:
@@ -101,10 +97,7 @@ class _Job:
         self.one_hot_left = len(one_hot)
 
     def train_step(self) -> None:
-        self.optimizer.zero_grad()
-        loss, _ = self.model(next(self.batches))
-        loss.backward()
-        self.optimizer.step()
+        dlrm_train_step(self.model, self.optimizer, next(self.batches))
         self.one_hot_left -= 1
 
     def train(self, rebalancer: Rebalancer) -> Optional[RebalanceDecision]:
@@ -117,7 +110,7 @@ class _Job:
         for _ in range(WINDOW):
             decision = self.train(rebalancer)
         assert decision is not None
-        _same_everywhere(decision_summary([decision]))
+        same_everywhere(decision_summary([decision]))
         return decision
 
 
@@ -237,7 +230,7 @@ def _ranks_that_disagree(job: _Job, rank: int) -> None:
     decision = job.train(rebalancer)
     assert decision is not None and "load statistics differ" in decision.reason
     assert rebalancer.state.failures == 1
-    _same_everywhere((decision.action, decision.reason, rebalancer.state))
+    same_everywhere((decision.action, decision.reason, rebalancer.state))
     rebalancer.close()
     assert job.model.plan.plan == job.plan.plan
 
@@ -270,7 +263,7 @@ def _aborted_reshard(job: _Job, rank: int, pg: dist.ProcessGroup) -> None:
     assert_state_dicts_equal(state, job.model.state_dict())
     assert job.model.plan.plan == job.plan.plan
     assert rebalancer.state.failures == 1
-    _same_everywhere((decision.action, decision.step, rebalancer.state))
+    same_everywhere((decision.action, decision.step, rebalancer.state))
     if rank == 1:
         del job.model.reshard
     assert rebalancer.state.blocked_until == decision.step + 2 * WINDOW

@@ -19,6 +19,7 @@ import unittest
 import torch
 from torchrec.distributed import resharding
 from torchrec.distributed.resharding.rebalance import load, monitor, statistics
+from torchrec.distributed.test_utils.rebalance_utils import LOAD_STATISTICS_NAMES
 
 MONITOR_NAMES = (
     "module_tables",
@@ -29,21 +30,13 @@ MONITOR_NAMES = (
     "_ModuleMonitor",
     "_kernels",
 )
-STATISTICS_NAMES = (
-    "RANK_FIELDS",
-    "FeatureSlot",
-    "TableLoad",
-    "LoadStatistics",
-    "feature_slots",
-    "statistics_from_vector",
-)
 
 
 class MonitorModuleTest(unittest.TestCase):
     def test_the_old_module_gives_the_same_objects(self) -> None:
         for name in MONITOR_NAMES:
             self.assertIs(getattr(load, name), getattr(monitor, name), name)
-        for name in STATISTICS_NAMES:
+        for name in LOAD_STATISTICS_NAMES:
             self.assertIs(getattr(load, name), getattr(statistics, name), name)
         self.assertIs(resharding.LoadMonitor, monitor.LoadMonitor)
         self.assertIs(resharding.LoadStatistics, statistics.LoadStatistics)

@@ -22,15 +22,8 @@ from torchrec.distributed.resharding.rebalance.statistics import (
     RANK_FIELDS,
     statistics_from_vector,
 )
+from torchrec.distributed.test_utils.rebalance_utils import LOAD_STATISTICS_NAMES
 
-NAMES = (
-    "RANK_FIELDS",
-    "FeatureSlot",
-    "TableLoad",
-    "LoadStatistics",
-    "feature_slots",
-    "statistics_from_vector",
-)
 MODULES = [("m", [("t0", ["f0"]), ("t1", ["f1", "f2"])])]
 
 
@@ -48,7 +41,7 @@ def _vector(ids: float, world: int = 2, steps: float = 4.0) -> list:
 
 class StatisticsModuleTest(unittest.TestCase):
     def test_the_old_module_gives_the_same_objects(self) -> None:
-        for name in NAMES:
+        for name in LOAD_STATISTICS_NAMES:
             self.assertIs(getattr(load, name), getattr(statistics, name), name)
 
     def test_a_reduced_vector_becomes_statistics(self) -> None:

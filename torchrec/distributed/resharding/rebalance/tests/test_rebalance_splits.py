@@ -30,26 +30,24 @@ itself is checked against fbgemm's kernel in the benchmark, in one run).
 """
 
 import unittest
-from typing import Any, Iterator, List
 
-import torch
-import torch.distributed as dist
-from torchrec.datasets.utils import Batch
 from torchrec.distributed.resharding.model import plan_delta
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.rebalance_utils import (
+    ALTERNATING_TABLE_WISE,
+    assert_replays_by_hand,
     cpu_topology,
     decision_summary,
     EBC_PATH,
     hand_plan,
     loaded_batches,
     rebalance_model,
+    same_everywhere,
+    train_rebalanced,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_optimizer_states_equal,
-    assert_state_dicts_equal,
     BoundedMultiProcessContext,
     ReshardTestBase,
 )
@@ -58,18 +56,6 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 NUM_TABLES, ROWS, DIM, BATCH = 4, 64, 256, 512
 WINDOW, SHIFT_AT, STEPS = 3, 6, 15
 UNIFORM, HOT, COLD = 2, 500, 1
-START = {
-    "t0": ("table_wise", 0),
-    "t1": ("table_wise", 1),
-    "t2": ("table_wise", 0),
-    "t3": ("table_wise", 1),
-}
-
-
-def _same_everywhere(value: Any) -> None:
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    assert all(v == values[0] for v in values), values
 
 
 def _policy(split_shards: bool) -> RebalancePolicy:
@@ -87,7 +73,7 @@ def _policy(split_shards: bool) -> RebalancePolicy:
 def _run_split(rank: int, world_size: int, port: str) -> None:
     with BoundedMultiProcessContext(rank, world_size, port) as context:
         env, device = context.env, context.device
-        plan_a = hand_plan(START, NUM_TABLES, ROWS, DIM, world_size)
+        plan_a = hand_plan(ALTERNATING_TABLE_WISE, NUM_TABLES, ROWS, DIM, world_size)
         shifted = [HOT] + [COLD] * (NUM_TABLES - 1)
         loads = [[UNIFORM] * NUM_TABLES] * SHIFT_AT + [shifted] * (STEPS - SHIFT_AT)
         batches = loaded_batches(loads, rank, ROWS, BATCH)
@@ -101,15 +87,10 @@ def _run_split(rank: int, world_size: int, port: str) -> None:
             rebalancer = Rebalancer(
                 model, cpu_topology(world_size), _policy(split_shards), BATCH
             )
-            it: Iterator[Batch] = iter(batches)
-            losses = []
-            for _ in range(STEPS):
-                losses.append(pipeline.progress(it)[0].detach())
-                rebalancer.step()
-            rebalancer.close()
+            losses = train_rebalanced(pipeline, rebalancer, batches)
             if rank == 0:
                 print(rebalancer.history_table())
-            _same_everywhere(decision_summary(rebalancer.history))
+            same_everywhere(decision_summary(rebalancer.history))
             runs[split_shards] = (model, rebalancer, losses)
 
         _, moves_only, _ = runs[False]
@@ -146,20 +127,8 @@ def _run_split(rank: int, world_size: int, port: str) -> None:
         assert sum(widths) == DIM and all(w % 4 == 0 for w in widths), widths
 
         # The same plans by hand at the same steps: bit-equal.
-        by_step = {d.step: d.plan for d in reshards}
-        replay, replay_optimizer = rebalance_model(
-            env, device, plan_a, NUM_TABLES, ROWS, DIM
-        )
-        replay_pipeline = TrainPipelineSparseDist(replay, replay_optimizer, device)
-        it = iter(batches)
-        for step in range(1, STEPS + 1):
-            loss = replay_pipeline.progress(it)[0].detach()
-            assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
-            if step in by_step:
-                replay.reshard(by_step[step])
-        assert replay.plan.plan == model.plan.plan
-        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
-        assert_optimizer_states_equal(model, replay)
+        shape = (NUM_TABLES, ROWS, DIM)
+        assert_replays_by_hand(model, losses, reshards, plan_a, batches, env, shape)
 
 
 class RebalanceSplitTest(ReshardTestBase):

@@ -19,22 +19,15 @@ import unittest
 import warnings
 from dataclasses import FrozenInstanceError
 
-import torch
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.resharding import MoveOptions, ReplanOptions, ReshardOptions
 from torchrec.distributed.resharding.rebalance.options import legacy_options
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
-from torchrec.distributed.test_utils.multi_process_utils import (
-    single_rank_process_group,
-)
 from torchrec.distributed.test_utils.rebalance_utils import (
     cpu_topology,
-    planned,
-    rebalance_model,
-    table_wise_planner,
+    one_rank_rebalance_model,
 )
-from torchrec.distributed.types import ShardingEnv
 
 NUM_TABLES, ROWS, DIM, BATCH = 2, 16, 8, 4
 CONSTRAINTS = {"t0": ParameterConstraints(sharding_types=["table_wise"])}
@@ -86,13 +79,7 @@ class LegacyOptionsTest(unittest.TestCase):
 
 class RebalancerOptionsTest(unittest.TestCase):
     def test_a_rebalancer_built_either_way_holds_the_same_options(self) -> None:
-        with single_rank_process_group() as pg:
-            env = ShardingEnv.from_process_group(pg)
-            planner = table_wise_planner(1, BATCH, [1.0] * NUM_TABLES)
-            plan = planned(planner, NUM_TABLES, ROWS, DIM)
-            model, _ = rebalance_model(
-                env, torch.device("cpu"), plan, NUM_TABLES, ROWS, DIM
-            )
+        with one_rank_rebalance_model(NUM_TABLES, ROWS, DIM, BATCH) as (model, _):
             topology, policy = cpu_topology(1), RebalancePolicy(window=5)
             with warnings.catch_warnings():
                 warnings.simplefilter("error")

@@ -19,22 +19,23 @@ same step.
 
 import time
 import unittest
-from typing import Any, List
 
 import torch
-import torch.distributed as dist
 from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.resharding.options import ReshardOptions
 from torchrec.distributed.resharding.rebalance.options import MoveOptions, ReplanOptions
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.rebalance_utils import (
+    ALTERNATING_TABLE_WISE,
     cpu_topology,
     decision_summary,
+    dlrm_train_step,
     EBC_PATH,
     hand_plan,
     loaded_batches,
     rebalance_model,
+    same_everywhere,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
@@ -46,32 +47,12 @@ from torchrec.distributed.test_utils.reshard_utils import (
 NUM_TABLES, ROWS, DIM, BATCH = 4, 64, 64, 32
 WINDOW, MAX_STEPS = 3, 200
 HOT, COLD = 1000, 1
-START = {
-    "t0": ("table_wise", 0),
-    "t1": ("table_wise", 1),
-    "t2": ("table_wise", 0),
-    "t3": ("table_wise", 1),
-}
-
-
-def _same_everywhere(value: Any) -> None:
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    assert all(v == values[0] for v in values), values
-
-
-def _train(model: Any, optimizer: Any, batch: Any) -> torch.Tensor:
-    optimizer.zero_grad()
-    loss, _ = model(batch)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
 
 
 def _run_replan_in_process(rank: int, world_size: int, port: str) -> None:
     with BoundedMultiProcessContext(rank, world_size, port) as context:
         env, device = context.env, context.device
-        plan_a = hand_plan(START, NUM_TABLES, ROWS, DIM, world_size)
+        plan_a = hand_plan(ALTERNATING_TABLE_WISE, NUM_TABLES, ROWS, DIM, world_size)
         loads = [[HOT] + [COLD] * (NUM_TABLES - 1)] * MAX_STEPS
         batches = loaded_batches(loads, rank, ROWS, BATCH)
         model, optimizer = rebalance_model(env, device, plan_a, NUM_TABLES, ROWS, DIM)
@@ -102,7 +83,7 @@ def _run_replan_in_process(rank: int, world_size: int, port: str) -> None:
         )
         losses = []
         for batch in batches:
-            losses.append(_train(model, optimizer, batch))
+            losses.append(dlrm_train_step(model, optimizer, batch))
             decision = rebalancer.step()
             if decision is not None and decision.source == "full replan":
                 break
@@ -115,7 +96,7 @@ def _run_replan_in_process(rank: int, world_size: int, port: str) -> None:
         if rank == 0:
             print(rebalancer.history_table())
         history = rebalancer.history
-        _same_everywhere(decision_summary(history))
+        same_everywhere(decision_summary(history))
         started = [d for d in history if "full replan started" in d.reason]
         assert len(started) == 1, rebalancer.history_table()
         assert any(
@@ -133,7 +114,7 @@ def _run_replan_in_process(rank: int, world_size: int, port: str) -> None:
             env, device, plan_a, NUM_TABLES, ROWS, DIM
         )
         for step, batch in enumerate(batches[: len(losses)], start=1):
-            loss = _train(replay, replay_optimizer, batch)
+            loss = dlrm_train_step(replay, replay_optimizer, batch)
             assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
             if step == last.step:
                 replay.reshard(last.plan)
