@@ -102,6 +102,44 @@ def grid_tiling(
     return draw(st.permutations(shards))
 
 
+@dataclass(frozen=True)
+class GridTable:
+    """
+    A random table on a random number of ranks, and grid tilings of it.
+
+    Args:
+        world_size (int): the ranks (1 to 4).
+        rows (int): rows of the table (1 to 12).
+        cols (int): columns of the table (1 to 12).
+        tilings (Tuple[List[ShardTuple], ...]): independent grid tilings
+            (:func:`grid_tiling`).
+    """
+
+    world_size: int
+    rows: int
+    cols: int
+    tilings: Tuple[List[ShardTuple], ...]
+
+
+@st.composite
+def grid_tables(draw: st.DrawFn, tilings: int = 1) -> GridTable:
+    """
+    Args:
+        tilings (int): how many tilings of the table to draw.
+
+    Returns:
+        GridTable: a random table and ``tilings`` grid tilings of it.
+    """
+    world_size = draw(st.integers(1, 4))
+    rows, cols = draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    return GridTable(
+        world_size,
+        rows,
+        cols,
+        tuple(draw(grid_tiling(rows, cols, world_size)) for _ in range(tilings)),
+    )
+
+
 @st.composite
 def guillotine_tiling(
     draw: st.DrawFn, rows: int, cols: int, world_size: int, depth: int = 4

@@ -27,7 +27,7 @@ import contextlib
 import dataclasses
 import unittest
 from datetime import timedelta
-from typing import Any, Iterator, List
+from typing import Any, Iterator, List, Tuple
 from unittest import mock
 
 import torch
@@ -320,6 +320,29 @@ class CoalescingTest(unittest.TestCase):
         )
 
 
+@contextlib.contextmanager
+def _one_rank_recording() -> Iterator[Tuple[List[str], RecordingGroups]]:
+    """
+    A one-rank process group whose exchange groups and device
+    synchronisations are recorded, in order, in one list of calls.
+
+    Returns:
+        Iterator[Tuple[List[str], RecordingGroups]]: the calls and the groups
+        (closed at the end).
+    """
+    calls: List[str] = []
+    groups = RecordingGroups(calls)
+    with (
+        single_rank_process_group(),
+        mock.patch(
+            "torchrec.distributed.resharding.runner.synchronize_device",
+            side_effect=lambda d: calls.append(f"synchronize {d}"),
+        ),
+    ):
+        yield calls, groups
+        groups.close()
+
+
 def _cuda_memory_of_a_machine_without_cuda() -> Any:
     """torch.cuda's memory figures, for a participant on a GPU this host lacks."""
     stack = contextlib.ExitStack()
@@ -360,22 +383,15 @@ class DeviceTest(unittest.TestCase):
     ) -> None:
         # A one-rank exchange of local copies: the device is normalised once
         # and synchronised before the slots are read and before the commit.
-        calls: List[str] = []
-        groups = RecordingGroups(calls)
         with (
-            single_rank_process_group(),
+            _one_rank_recording() as (calls, groups),
             mock.patch("torch.cuda.current_device", autospec=True, return_value=1),
-            mock.patch(
-                "torchrec.distributed.resharding.runner.synchronize_device",
-                side_effect=lambda d: calls.append(f"synchronize {d}"),
-            ),
             _cuda_memory_of_a_machine_without_cuda(),
         ):
             env = env_keeping(groups)
             run_transaction(
                 CopyParticipant(calls, device=torch.device("cuda"), owner=env)
             )
-            groups.close()
         self.assertEqual(
             calls,
             [
@@ -401,17 +417,8 @@ class MixedDeviceTest(unittest.TestCase):
     def test_the_state_devices_are_synchronised_not_only_the_exchanges(
         self,
     ) -> None:
-        calls: List[str] = []
-        groups = RecordingGroups(calls)
-        with (
-            single_rank_process_group(),
-            mock.patch(
-                "torchrec.distributed.resharding.runner.synchronize_device",
-                side_effect=lambda d: calls.append(f"synchronize {d}"),
-            ),
-        ):
+        with _one_rank_recording() as (calls, groups):
             run_transaction(_HostExchangeOfCudaState(calls, owner=env_keeping(groups)))
-            groups.close()
         before_exchange = ["synchronize cuda:1", "synchronize cpu"]
         self.assertEqual(
             calls,

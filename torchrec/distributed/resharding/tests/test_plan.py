@@ -20,7 +20,6 @@ import itertools
 import unittest
 from typing import Callable, List, Sequence, Tuple
 
-import hypothesis.strategies as st
 import torch
 from hypothesis import given, HealthCheck, settings
 from torchrec.distributed.resharding.plan import (
@@ -39,7 +38,8 @@ from torchrec.distributed.resharding.transfer_plan import (
 )
 from torchrec.distributed.test_utils.plan_layouts import (
     constructed_sharding,
-    grid_tiling,
+    grid_tables,
+    GridTable,
     one_table_ebc,
     sharding_by_hand,
     TABLE_COLS,
@@ -557,13 +557,10 @@ class PropertyTest(PlanChecks):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    @given(data=st.data())
-    def test_random_tilings(self, data: st.DataObject) -> None:
-        world_size = data.draw(st.integers(1, 4), label="world_size")
-        rows = data.draw(st.integers(1, 12), label="rows")
-        cols = data.draw(st.integers(1, 12), label="cols")
-        old_shards = data.draw(grid_tiling(rows, cols, world_size), label="old")
-        new_shards = data.draw(grid_tiling(rows, cols, world_size), label="new")
+    @given(table=grid_tables(tilings=2))
+    def test_random_tilings(self, table: GridTable) -> None:
+        world_size, rows, cols = table.world_size, table.rows, table.cols
+        old_shards, new_shards = table.tilings
         old = layout_from_parameter_sharding(
             sharding_by_hand("grid_shard", old_shards), rows, cols, world_size
         )

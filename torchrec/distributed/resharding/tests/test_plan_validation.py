@@ -21,7 +21,6 @@ import sys
 import unittest
 from typing import Dict
 
-import hypothesis.strategies as st
 from hypothesis import given, HealthCheck, settings
 from torch.distributed._shard.metadata import ShardMetadata
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -38,7 +37,8 @@ from torchrec.distributed.test_utils.plan_layouts import (
     constructed_sharding,
     DENSE,
     FUSED,
-    grid_tiling,
+    grid_tables,
+    GridTable,
     one_table_ebc,
     sharding_by_hand,
     TABLE_COLS,
@@ -127,14 +127,14 @@ class ValidLayoutsTest(unittest.TestCase):
         deadline=None,
         suppress_health_check=[HealthCheck.too_slow],
     )
-    @given(data=st.data())
-    def test_random_tilings(self, data: st.DataObject) -> None:
-        world_size = data.draw(st.integers(1, 4), label="world_size")
-        rows = data.draw(st.integers(1, 12), label="rows")
-        cols = data.draw(st.integers(1, 12), label="cols")
-        shards = data.draw(grid_tiling(rows, cols, world_size), label="tiling")
+    @given(table=grid_tables())
+    def test_random_tilings(self, table: GridTable) -> None:
+        (shards,) = table.tilings
         self.assert_valid(
-            sharding_by_hand("grid_shard", shards), rows, cols, world_size
+            sharding_by_hand("grid_shard", shards),
+            table.rows,
+            table.cols,
+            table.world_size,
         )
 
 
