@@ -18,7 +18,7 @@ compared with the ones each module type must make.
 
 import unittest
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any, Dict, List
 from unittest import mock
 
 import torch
@@ -29,10 +29,10 @@ from torchrec.distributed.resharding.module_adapters import (
 )
 
 
-def _module() -> nn.Module:
+def _module(codecs: Dict[str, Any]) -> nn.Module:
     """A stand-in for a sharded module: all the call reads is its codecs."""
     module = nn.Module()
-    module.qcomm_codecs_registry = {"codec": "of this module"}  # pyre-ignore[16]
+    module.qcomm_codecs_registry = codecs  # pyre-ignore[16]
     return module
 
 
@@ -44,44 +44,39 @@ def _infos(sharding_type: str) -> List[Any]:
 
 
 class CreateShardingTest(unittest.TestCase):
-    def test_the_ebc_adapter_calls_torchrecs_ebc_function(self) -> None:
-        module, infos, env = _module(), _infos("row_wise"), object()
+    def test_each_adapter_calls_its_modules_torchrec_function(self) -> None:
+        codecs = {"codec": "of this module"}
         device = torch.device("cpu")
-        with mock.patch(
-            "torchrec.distributed.embeddingbag.create_embedding_bag_sharding",
-            autospec=True,
-            return_value="sharding",
-        ) as create:
-            sharding = EmbeddingBagCollectionAdapter(module).create_sharding(
-                infos, env, device  # pyre-ignore[6]
-            )
-        self.assertEqual(sharding, "sharding")
-        create.assert_called_once_with(
-            sharding_infos=infos,
-            env=env,
-            device=device,
-            permute_embeddings=True,
-            qcomm_codecs_registry={"codec": "of this module"},
-        )
-
-    def test_the_ec_adapter_calls_torchrecs_ec_function(self) -> None:
-        module, infos, env = _module(), _infos("column_wise"), object()
-        with mock.patch(
-            "torchrec.distributed.embedding.create_embedding_sharding",
-            autospec=True,
-            return_value="sharding",
-        ) as create:
-            sharding = EmbeddingCollectionAdapter(module).create_sharding(
-                infos, env, None  # pyre-ignore[6]
-            )
-        self.assertEqual(sharding, "sharding")
-        create.assert_called_once_with(
-            "column_wise",
-            sharding_infos=infos,
-            env=env,
-            device=None,
-            qcomm_codecs_registry={"codec": "of this module"},
-        )
+        cases = [
+            (
+                EmbeddingBagCollectionAdapter,
+                "torchrec.distributed.embeddingbag.create_embedding_bag_sharding",
+                (),
+                {"permute_embeddings": True},
+            ),
+            (
+                EmbeddingCollectionAdapter,
+                "torchrec.distributed.embedding.create_embedding_sharding",
+                ("column_wise",),
+                {},
+            ),
+        ]
+        for adapter, function, args, kwargs in cases:
+            with self.subTest(adapter=adapter.__name__):
+                module, infos, env = _module(codecs), _infos("column_wise"), object()
+                with mock.patch(function, autospec=True) as create:
+                    sharding = adapter(module).create_sharding(
+                        infos, env, device  # pyre-ignore[6]
+                    )
+                self.assertIs(sharding, create.return_value)
+                create.assert_called_once_with(
+                    *args,
+                    sharding_infos=infos,
+                    env=env,
+                    device=device,
+                    qcomm_codecs_registry=codecs,
+                    **kwargs,
+                )
 
 
 if __name__ == "__main__":
