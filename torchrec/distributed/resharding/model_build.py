@@ -18,7 +18,7 @@ kernels and groups. Nothing here runs a collective.
 
 import contextlib
 import copy
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -99,6 +99,31 @@ def meta_definition(root: nn.Module, paths: Sequence[str]) -> nn.Module:
         parent_path, _, name = path.rpartition(".")
         setattr(definition.get_submodule(parent_path), name, _meta_twin(module))
     return definition
+
+
+def module_tree(modules: Mapping[str, nn.Module]) -> nn.Module:
+    """
+    A model that holds each module at its path, under empty parent modules
+    made for it (the module itself where its path is "", the whole model).
+
+    Args:
+        modules (Mapping[str, nn.Module]): the modules, by dotted path.
+
+    Returns:
+        nn.Module: the model.
+    """
+    if list(modules) == [""]:
+        return modules[""]
+    root = nn.Module()
+    for path, module in modules.items():
+        parent = root
+        *parents, leaf = path.split(".")
+        for name in parents:
+            if not hasattr(parent, name):
+                parent.add_module(name, nn.Module())
+            parent = parent.get_submodule(name)
+        parent.add_module(leaf, module)
+    return root
 
 
 def unsharded_definition(model: nn.Module) -> nn.Module:

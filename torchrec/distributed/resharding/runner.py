@@ -621,40 +621,43 @@ def _finish(report: TransactionReport, clock: "_Clock") -> TransactionReport:
     return report
 
 
+@dataclass
 class _Exchange:
-    """The exchange phase of one transaction on this rank."""
+    """
+    The exchange phase of one transaction on this rank; it records how long
+    its group took to connect, the group's name and its communicators' bytes.
 
-    def __init__(
-        self,
-        participant: Participant[Any, Any],
-        ranks: Sequence[int],
-        device: torch.device,
-        timeout: timedelta,
-        options: ReshardOptions,
-        cap: Optional[int],
-    ) -> None:
-        self._participant = participant
-        self._ranks = ranks
-        self._device = device
-        self._timeout = timeout
-        self._options = options
-        self._cap = cap
-        self.connect_seconds = 0.0
-        self.group_name = ""
-        self.communicator_bytes = 0
+    Args:
+        participant (Participant): this rank's participant.
+        ranks (Sequence[int]): the transaction's global ranks.
+        device (torch.device): the exchange's device.
+        timeout (timedelta): the bound of every wait.
+        options (ReshardOptions): the transaction's options.
+        cap (Optional[int]): the in-flight cap, in bytes (None: none).
+    """
+
+    participant: Participant[Any, Any]
+    ranks: Sequence[int]
+    device: torch.device
+    timeout: timedelta
+    options: ReshardOptions
+    cap: Optional[int]
+    connect_seconds: float = field(default=0.0, init=False)
+    group_name: str = field(default="", init=False)
+    communicator_bytes: int = field(default=0, init=False)
 
     def _synchronize(self) -> None:
         # the state's devices, not only the exchange's: a move between CPU
         # and GPU ranks exchanges on the host, reading CUDA kernels
-        for device in self._participant.state_devices():
+        for device in self.participant.state_devices():
             synchronize_device(normalized_device(device))
 
     def _gate(self, signal: AbortSignal) -> None:
         """Every rank is alive and here, right before the group connects
         (an NCCL connect has no timeout of its own)."""
-        participant = self._participant
+        participant = self.participant
         try:
-            signal.arrive(AbortSignal.GATE, self._timeout)
+            signal.arrive(AbortSignal.GATE, self.timeout)
         except Exception as e:
             participant.abort()
             if not isinstance(e, (AbortedByPeer, ReshardAbortedError)):
@@ -672,11 +675,11 @@ class _Exchange:
         reuse: str,
         signal: AbortSignal,
     ) -> ExchangeGroup:
-        participant = self._participant
+        participant = self.participant
         start = time.perf_counter()
         try:
             group = groups.open(
-                self._ranks, transaction, self._timeout, self._device, reuse
+                self.ranks, transaction, self.timeout, self.device, reuse
             )
         except Exception as e:
             participant.abort()
@@ -706,9 +709,9 @@ class _Exchange:
         Fills the participant's new state on the exchange group; aborts the
         group and the participant on any failure.
         """
-        participant, me = self._participant, dist.get_rank()
-        index = list(self._ranks).index(me)
-        signal = AbortSignal.of(transaction, len(self._ranks), index)
+        participant, me = self.participant, dist.get_rank()
+        index = list(self.ranks).index(me)
+        signal = AbortSignal.of(transaction, len(self.ranks), index)
         # The device finished what was queued on it (a pipeline's collectives,
         # an optimizer step on another stream) before the exchange reads or
         # writes the kernels' memory.
@@ -723,9 +726,9 @@ class _Exchange:
                 layouts.fields,
                 io,
                 group,
-                self._cap,
-                self._device,
-                _progress_bar(self._options.progress and self._ranks[0] == me),
+                self.cap,
+                self.device,
+                _progress_bar(self.options.progress and self.ranks[0] == me),
             )
             kept = list(io.in_place)
             del io  # nothing of the transaction holds the old slots at the commit
@@ -733,7 +736,7 @@ class _Exchange:
             # Nobody commits before everybody filled its new state (a store
             # barrier: no collective of the group is left pending on a rank
             # when a peer fails there).
-            signal.arrive(AbortSignal.FILLED, self._timeout)
+            signal.arrive(AbortSignal.FILLED, self.timeout)
             self._synchronize()
         except Exception as e:
             # the others stop waiting on this rank, NCCL communicators are

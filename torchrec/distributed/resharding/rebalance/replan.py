@@ -40,7 +40,7 @@ from torch import nn
 from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.resharding.fields import TableKey
-from torchrec.distributed.resharding.model_build import plain_twin
+from torchrec.distributed.resharding.model_build import module_tree, plain_twin
 from torchrec.distributed.resharding.rebalance.relabel import relabel_plan
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.whole_plan import (
@@ -82,19 +82,12 @@ def planning_definition(model: nn.Module) -> nn.Module:
         nn.Module: the definition (no weights).
     """
     meta = torch.device("meta")
-    paths = sorted(model.plan.plan)
-    if paths == [""]:
-        return plain_twin(model.module, meta)
-    root = nn.Module()
-    for path in paths:
-        parent = root
-        *parents, leaf = path.split(".")
-        for name in parents:
-            if not hasattr(parent, name):
-                parent.add_module(name, nn.Module())
-            parent = parent.get_submodule(name)
-        parent.add_module(leaf, plain_twin(model.module.get_submodule(path), meta))
-    return root
+    return module_tree(
+        {
+            path: plain_twin(model.module.get_submodule(path), meta)
+            for path in sorted(model.plan.plan)
+        }
+    )
 
 
 def measured_constraints(

@@ -51,6 +51,7 @@ from torch import nn
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torchrec.distributed.planner.types import ParameterConstraints, Topology
+from torchrec.distributed.resharding.model_build import module_tree
 from torchrec.distributed.resharding.rebalance.replan import (
     full_replan,
     Replanner,
@@ -426,18 +427,7 @@ def _build_module(spec: ModuleSpec) -> nn.Module:
 
 
 def _definition(modules: Sequence[ModuleSpec]) -> nn.Module:
-    if [m.path for m in modules] == [""]:
-        return _build_module(modules[0])
-    root = nn.Module()
-    for spec in modules:
-        parent = root
-        *parents, leaf = spec.path.split(".")
-        for name in parents:
-            if not hasattr(parent, name):
-                parent.add_module(name, nn.Module())
-            parent = parent.get_submodule(name)
-        parent.add_module(leaf, _build_module(spec))
-    return root
+    return module_tree({spec.path: _build_module(spec) for spec in modules})
 
 
 def _sharder(spec: SharderSpec) -> ModuleSharder[nn.Module]:
