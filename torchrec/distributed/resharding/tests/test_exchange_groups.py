@@ -112,9 +112,7 @@ class FailureSemanticsTest(unittest.TestCase):
 
 class KeptGroupsTest(unittest.TestCase):
     def test_one_connection_serves_every_transaction_of_the_ranks(self) -> None:
-        calls: List[str] = []
-        groups = RecordingGroups(calls)
-        with single_rank_process_group():
+        with _one_rank_kept_groups() as (calls, groups):
             env = env_keeping(groups)
             first = CopyParticipant(calls, owner=env)
             a = run_transaction(first)
@@ -124,15 +122,12 @@ class KeptGroupsTest(unittest.TestCase):
             self.assertEqual(a.exchange_group, b.exchange_group)
             self.assertEqual(b.connect_seconds, 0.0)
             self.assertEqual(calls.count("shutdown") + calls.count("abort"), 0)
-            groups.close()
         # a kept group's members may be gone: closing aborts it
         self.assertEqual(calls.count("abort"), 1)
         self.assertEqual(calls.count("shutdown"), 0)
 
     def test_a_failure_replaces_the_kept_group(self) -> None:
-        calls: List[str] = []
-        groups = RecordingGroups(calls)
-        with single_rank_process_group():
+        with _one_rank_kept_groups() as (calls, groups):
             env = env_keeping(groups)
             a = run_transaction(CopyParticipant(calls, owner=env))
             with self.assertRaises(ReshardAbortedError):
@@ -141,7 +136,6 @@ class KeptGroupsTest(unittest.TestCase):
             c = run_transaction(CopyParticipant(calls, owner=env))
             self.assertEqual(groups.connected, 2)
             self.assertNotEqual(a.exchange_group, c.exchange_group)
-            groups.close()
         self.assertEqual(calls.count("shutdown"), 0)
         self.assertEqual(calls.count("abort"), 2)
 
@@ -321,26 +315,27 @@ class CoalescingTest(unittest.TestCase):
 
 
 @contextlib.contextmanager
-def _one_rank_recording() -> Iterator[Tuple[List[str], RecordingGroups]]:
+def _one_rank_kept_groups() -> Iterator[Tuple[List[str], RecordingGroups]]:
     """
-    A one-rank process group whose exchange groups and device
-    synchronisations are recorded, in order, in one list of calls.
+    A one-rank process group and exchange groups to keep that record, in one
+    list, what the transactions do with them (closed at the end).
 
     Returns:
-        Iterator[Tuple[List[str], RecordingGroups]]: the calls and the groups
-        (closed at the end).
+        Iterator[Tuple[List[str], RecordingGroups]]: the calls and the groups.
     """
     calls: List[str] = []
     groups = RecordingGroups(calls)
-    with (
-        single_rank_process_group(),
-        mock.patch(
-            "torchrec.distributed.resharding.runner.synchronize_device",
-            side_effect=lambda d: calls.append(f"synchronize {d}"),
-        ),
-    ):
+    with single_rank_process_group():
         yield calls, groups
         groups.close()
+
+
+def _synchronisations_recorded(calls: List[str]) -> Any:
+    """Records each device the runner synchronises in ``calls``."""
+    return mock.patch(
+        "torchrec.distributed.resharding.runner.synchronize_device",
+        side_effect=lambda d: calls.append(f"synchronize {d}"),
+    )
 
 
 def _cuda_memory_of_a_machine_without_cuda() -> Any:
@@ -384,8 +379,9 @@ class DeviceTest(unittest.TestCase):
         # A one-rank exchange of local copies: the device is normalised once
         # and synchronised before the slots are read and before the commit.
         with (
-            _one_rank_recording() as (calls, groups),
+            _one_rank_kept_groups() as (calls, groups),
             mock.patch("torch.cuda.current_device", autospec=True, return_value=1),
+            _synchronisations_recorded(calls),
             _cuda_memory_of_a_machine_without_cuda(),
         ):
             env = env_keeping(groups)
@@ -417,7 +413,10 @@ class MixedDeviceTest(unittest.TestCase):
     def test_the_state_devices_are_synchronised_not_only_the_exchanges(
         self,
     ) -> None:
-        with _one_rank_recording() as (calls, groups):
+        with (
+            _one_rank_kept_groups() as (calls, groups),
+            _synchronisations_recorded(calls),
+        ):
             run_transaction(_HostExchangeOfCudaState(calls, owner=env_keeping(groups)))
         before_exchange = ["synchronize cuda:1", "synchronize cpu"]
         self.assertEqual(
