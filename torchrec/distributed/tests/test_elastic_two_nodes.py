@@ -89,20 +89,22 @@ class ElasticTwoNodesTest(unittest.TestCase):
             self.assertEqual(failures, [], "\n".join(failures) + "\n" + output_tails)
 
             self.assertEqual([run.returncode for run in runs], [0, 0], output_tails)
-            for rank in HOST1:
-                result = results[rank]
-                self.assertEqual(result["node"], 1, result)
-                self.assertTrue(result["left"], result)
-                self.assertEqual(result["move"]["role"], "left", result)
-                self.assertGreater(result["move"]["bytes_sent"], 0, result)
-                self.assertEqual(result["checks"], HOST1_CHECKS, result)
+            # each host, its ranks, whether they left, their role in the move,
+            # what they moved, what they checked
+            hosts = [
+                (1, HOST1, True, "left", "bytes_sent", HOST1_CHECKS),
+                (0, HOST0, False, "stayed", "bytes_received", HOST0_CHECKS),
+            ]
+            for node, ranks, left, role, moved, checks in hosts:
+                for rank in ranks:
+                    result = results[rank]
+                    self.assertEqual(result["node"], node, result)
+                    self.assertIs(result["left"], left, result)
+                    self.assertEqual(result["move"]["role"], role, result)
+                    self.assertGreater(result["move"][moved], 0, result)
+                    self.assertEqual(result["checks"], checks, result)
             for rank in HOST0:
                 result = results[rank]
-                self.assertEqual(result["node"], 0, result)
-                self.assertFalse(result["left"], result)
-                self.assertEqual(result["move"]["role"], "stayed", result)
-                self.assertGreater(result["move"]["bytes_received"], 0, result)
-                self.assertEqual(result["checks"], HOST0_CHECKS, result)
                 self.assertTrue(result["exact_after_drain"], result)
                 self.assertEqual(len(result["losses_after_drain"]), STEPS, result)
 

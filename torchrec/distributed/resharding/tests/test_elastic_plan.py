@@ -39,6 +39,7 @@ from torchrec.distributed.sharding_plan import (
     row_wise,
     table_wise,
 )
+from torchrec.distributed.test_utils.model_zoo import numbered_tables
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -47,16 +48,10 @@ TABLES: Dict[str, List[TableShape]] = {"ebc": [("t0", 8, 4), ("t1", 6, 4)]}
 
 
 def _plan(world_size: int, t0_rank: int) -> ShardingPlan:
+    shapes = TABLES["ebc"]  # t0, t1, ...: the zoo's numbered tables
+    dims, rows = [cols for _, _, cols in shapes], [rows for _, rows, _ in shapes]
     ebc = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=name,
-                embedding_dim=cols,
-                num_embeddings=rows,
-                feature_names=[f"f_{name}"],
-            )
-            for name, rows, cols in TABLES["ebc"]
-        ],
+        tables=numbered_tables(EmbeddingBagConfig, len(shapes), dims, rows),
         device="meta",
     )
     module_plan = construct_module_sharding_plan(
