@@ -158,6 +158,20 @@ class MultiRankTestBase(MultiProcessTestBase):
         )
 
 
+class NcclOrGlooTestBase(MultiProcessTestBase):
+    """MultiProcessTestBase whose ranks run on NCCL where the machine has a
+    GPU for each of them, on gloo elsewhere."""
+
+    def run_on_ranks(
+        self, callable: Callable[..., None], world_size: int, **kwargs: Any
+    ) -> None:
+        """Runs ``callable(rank=, world_size=, backend=, **kwargs)`` on every rank."""
+        backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+        self._run_multi_process_test(
+            callable=callable, world_size=world_size, backend=backend, **kwargs
+        )
+
+
 def local_pieces(value: Any) -> List[Tuple[Tuple[int, int], torch.Tensor]]:
     """
     Args:

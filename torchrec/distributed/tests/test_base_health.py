@@ -33,9 +33,13 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.model_zoo import numbered_tables
-from torchrec.distributed.test_utils.multi_process import (
-    MultiProcessContext,
-    MultiProcessTestBase,
+from torchrec.distributed.test_utils.multi_process import MultiProcessContext
+from torchrec.distributed.test_utils.multi_process_utils import NcclOrGlooTestBase
+from torchrec.distributed.test_utils.sgd_reference import (
+    averaged_sgd_step,
+    BATCH_SIZE,
+    LEARNING_RATE,
+    random_batch,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -43,8 +47,6 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 WORLD_SIZE: int = 2
-LEARNING_RATE: float = 0.1
-BATCH_SIZE: int = 4
 TABLES: List[EmbeddingBagConfig] = numbered_tables(
     EmbeddingBagConfig, 4, [8] * 4, [16 + 3 * i for i in range(4)]
 )
@@ -52,20 +54,7 @@ TABLES: List[EmbeddingBagConfig] = numbered_tables(
 
 def _batch(seed: int) -> KeyedJaggedTensor:
     """A deterministic local batch (one per rank) over all features."""
-    gen = torch.Generator().manual_seed(1000 + seed)
-    lengths: List[torch.Tensor] = []
-    values: List[torch.Tensor] = []
-    for table in TABLES:
-        lens = torch.randint(0, 4, (BATCH_SIZE,), generator=gen)
-        lengths.append(lens)
-        values.append(
-            torch.randint(0, table.num_embeddings, (int(lens.sum()),), generator=gen)
-        )
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f for table in TABLES for f in table.feature_names],
-        values=torch.cat(values),
-        lengths=torch.cat(lengths),
-    )
+    return random_batch(TABLES, 1000 + seed)
 
 
 def _loss_weights(seed: int) -> torch.Tensor:
@@ -77,21 +66,13 @@ def _loss_weights(seed: int) -> torch.Tensor:
 def _expected_weights(
     ref: EmbeddingBagCollection, world_size: int
 ) -> Dict[str, torch.Tensor]:
-    """Weights after one SGD step: every table sees the gradient of every
-    rank's batch averaged over the ranks (TorchRec's collectives divide
-    gradients by the world size and data-parallel tables are all-reduced, as
-    with DDP)."""
-    params = dict(ref.named_parameters())
-    total = {name: torch.zeros_like(p) for name, p in params.items()}
-    for src in range(world_size):
-        loss = (ref(_batch(src)).values() * _loss_weights(src)).sum()
-        grads = torch.autograd.grad(loss, list(params.values()))
-        for name, grad in zip(params, grads):
-            total[name] += grad
-    return {
-        name: param.detach() - LEARNING_RATE * total[name] / world_size
-        for name, param in params.items()
-    }
+    """Weights after one SGD step of the sharded module (every table sees the
+    gradient of every rank's batch averaged over the ranks)."""
+    return averaged_sgd_step(
+        ref,
+        lambda src: (ref(_batch(src)).values() * _loss_weights(src)).sum(),
+        world_size,
+    )
 
 
 def _check_state(
@@ -175,17 +156,11 @@ def _health_rank(rank: int, world_size: int, kernel: str, backend: str) -> None:
         _check_state(state, expected, rank)
 
 
-class BaseHealthTest(MultiProcessTestBase):
+class BaseHealthTest(NcclOrGlooTestBase):
     """The base release shards and trains correctly on this stack."""
 
     def _run(self, kernel: str) -> None:
-        backend = "nccl" if torch.cuda.device_count() >= WORLD_SIZE else "gloo"
-        self._run_multi_process_test(
-            callable=_health_rank,
-            world_size=WORLD_SIZE,
-            kernel=kernel,
-            backend=backend,
-        )
+        self.run_on_ranks(_health_rank, WORLD_SIZE, kernel=kernel)
 
     def test_tw_cw_rw_dp_dense(self) -> None:
         self._run(EmbeddingComputeKernel.DENSE.value)

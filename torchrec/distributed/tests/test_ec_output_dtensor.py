@@ -31,9 +31,12 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.model_zoo import numbered_tables
-from torchrec.distributed.test_utils.multi_process import (
-    MultiProcessContext,
-    MultiProcessTestBase,
+from torchrec.distributed.test_utils.multi_process import MultiProcessContext
+from torchrec.distributed.test_utils.multi_process_utils import NcclOrGlooTestBase
+from torchrec.distributed.test_utils.sgd_reference import (
+    averaged_sgd_step,
+    LEARNING_RATE,
+    random_batch,
 )
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingConfig
@@ -41,8 +44,6 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 WORLD_SIZE: int = 2
-LEARNING_RATE: float = 0.1
-BATCH_SIZE: int = 4
 EC_DIM: int = 8
 EC_TABLES: List[EmbeddingConfig] = numbered_tables(
     EmbeddingConfig,
@@ -64,20 +65,7 @@ EC_LAYOUT: Dict[str, Any] = {
 
 def _ec_batch(rank: int, step: int) -> KeyedJaggedTensor:
     """A deterministic local batch per rank and step, with repeated ids."""
-    gen = torch.Generator().manual_seed(5000 + 100 * step + rank)
-    lengths: List[torch.Tensor] = []
-    values: List[torch.Tensor] = []
-    for table in EC_TABLES:
-        lens = torch.randint(0, 4, (BATCH_SIZE,), generator=gen)
-        lengths.append(lens)
-        values.append(
-            torch.randint(0, table.num_embeddings, (int(lens.sum()),), generator=gen)
-        )
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f for table in EC_TABLES for f in table.feature_names],
-        values=torch.cat(values),
-        lengths=torch.cat(lengths),
-    )
+    return random_batch(EC_TABLES, 5000 + 100 * step + rank)
 
 
 def _ec_loss(out: Dict[str, JaggedTensor], rank: int, step: int) -> torch.Tensor:
@@ -95,22 +83,12 @@ def _ec_reference_step(
     weights: Dict[str, torch.Tensor], world_size: int, step: int
 ) -> Dict[str, torch.Tensor]:
     """The weights after one EXACT_SGD step of the sharded EC: the gradients of
-    every rank's batch averaged over the ranks (TorchRec's collectives divide
-    them by the world size), times the learning rate."""
+    every rank's batch averaged over the ranks, times the learning rate."""
     ref = EmbeddingCollection(tables=EC_TABLES, device=torch.device("cpu"))
     ref.load_state_dict(weights)
-    params = dict(ref.named_parameters())
-    total = {name: torch.zeros_like(p) for name, p in params.items()}
-    for src in range(world_size):
-        grads = torch.autograd.grad(
-            _ec_loss(ref(_ec_batch(src, step)), src, step), list(params.values())
-        )
-        for name, grad in zip(params, grads):
-            total[name] += grad
-    return {
-        name: param.detach() - LEARNING_RATE * total[name] / world_size
-        for name, param in params.items()
-    }
+    return averaged_sgd_step(
+        ref, lambda src: _ec_loss(ref(_ec_batch(src, step)), src, step), world_size
+    )
 
 
 def _ec_output_dtensor_rank(
@@ -194,19 +172,13 @@ def _ec_output_dtensor_rank(
             check(weights, f"after step {step}")
 
 
-class EcOutputDTensorHealthTest(MultiProcessTestBase):
+class EcOutputDTensorHealthTest(NcclOrGlooTestBase):
     """An EmbeddingCollection with table-wise, column-wise and row-wise tables
     shards with DTensor state and trains like the unsharded module, whichever
     way DTensor output is asked for."""
 
     def _run(self, switch: str) -> None:
-        backend = "nccl" if torch.cuda.device_count() >= WORLD_SIZE else "gloo"
-        self._run_multi_process_test(
-            callable=_ec_output_dtensor_rank,
-            world_size=WORLD_SIZE,
-            switch=switch,
-            backend=backend,
-        )
+        self.run_on_ranks(_ec_output_dtensor_rank, WORLD_SIZE, switch=switch)
 
     def test_ec_tw_cw_rw_dtensor_from_env(self) -> None:
         self._run("env")

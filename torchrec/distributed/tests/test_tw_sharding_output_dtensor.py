@@ -29,10 +29,8 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.test_utils.model_zoo import numbered_tables
-from torchrec.distributed.test_utils.multi_process import (
-    MultiProcessContext,
-    MultiProcessTestBase,
-)
+from torchrec.distributed.test_utils.multi_process import MultiProcessContext
+from torchrec.distributed.test_utils.multi_process_utils import NcclOrGlooTestBase
 from torchrec.distributed.types import ShardingEnv
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -114,14 +112,11 @@ def _dtensor_rank(rank: int, world_size: int, backend: str) -> None:
         torch.testing.assert_close(out.values().cpu(), expected.values().detach())
 
 
-class TableWiseOutputDTensorTest(MultiProcessTestBase):
+class TableWiseOutputDTensorTest(NcclOrGlooTestBase):
     """ShardingEnv.output_dtensor covers table-wise tables."""
 
     def test_tw_tables_are_dtensors_of_their_shards(self) -> None:
-        backend = "nccl" if torch.cuda.device_count() >= WORLD_SIZE else "gloo"
-        self._run_multi_process_test(
-            callable=_dtensor_rank, world_size=WORLD_SIZE, backend=backend
-        )
+        self.run_on_ranks(_dtensor_rank, WORLD_SIZE)
 
 
 if __name__ == "__main__":
