@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import unittest
-from typing import Dict
+from typing import Dict, List, Sequence
 
 from hypothesis import given, HealthCheck, settings
 from torch.distributed._shard.metadata import ShardMetadata
@@ -41,6 +41,7 @@ from torchrec.distributed.test_utils.plan_layouts import (
     GridTable,
     one_table_ebc,
     sharding_by_hand,
+    ShardTuple,
     TABLE_COLS,
     TABLE_ROWS,
     TYPE_GENERATORS,
@@ -269,23 +270,22 @@ class ValidationTest(unittest.TestCase):
             "exactly one shard",
         )
 
+    def assert_rejected_as(
+        self, kinds: Sequence[str], shards: List[ShardTuple], reason: str
+    ) -> None:
+        """``shards`` are rejected for ``reason`` as a sharding of each kind."""
+        for kind in kinds:
+            self.assert_rejected(sharding_by_hand(kind, shards), reason)
+
     def test_column_wise_not_spanning_rows(self) -> None:
-        for kind in ("column_wise", "table_column_wise"):
-            self.assert_rejected(
-                sharding_by_hand(
-                    kind, [(0, 0, 10, 8, 0), (0, 8, 5, 8, 1), (5, 8, 5, 8, 1)]
-                ),
-                "span all 10 rows",
-            )
+        shards = [(0, 0, 10, 8, 0), (0, 8, 5, 8, 1), (5, 8, 5, 8, 1)]
+        kinds = ("column_wise", "table_column_wise")
+        self.assert_rejected_as(kinds, shards, "span all 10 rows")
 
     def test_row_wise_not_spanning_columns(self) -> None:
-        for kind in ("row_wise", "table_row_wise"):
-            self.assert_rejected(
-                sharding_by_hand(
-                    kind, [(0, 0, 5, 16, 0), (5, 0, 5, 8, 1), (5, 8, 5, 8, 1)]
-                ),
-                "span all 16 columns",
-            )
+        shards = [(0, 0, 5, 16, 0), (5, 0, 5, 8, 1), (5, 8, 5, 8, 1)]
+        kinds = ("row_wise", "table_row_wise")
+        self.assert_rejected_as(kinds, shards, "span all 16 columns")
 
     def test_missing_spec_and_wrong_object(self) -> None:
         self.assert_rejected(
