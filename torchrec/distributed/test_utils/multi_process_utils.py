@@ -142,6 +142,28 @@ def single_rank_process_group() -> Iterator[dist.ProcessGroup]:
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def alone_on_subgroups(
+    rank: int, world_size: int, port: str, timeout: timedelta
+) -> Iterator[ShardingEnv]:
+    """
+    A bounded multi-process context in which every rank has a process group
+    of its own (created by every rank, in rank order).
+
+    Args:
+        rank (int): this rank.
+        world_size (int): the world size.
+        port (str): the rendezvous port.
+        timeout (timedelta): the timeout of every collective.
+
+    Returns:
+        Iterator[ShardingEnv]: the environment over this rank's own group.
+    """
+    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=timeout.seconds):
+        groups = [dist.new_group([r], timeout=timeout) for r in range(world_size)]
+        yield ShardingEnv.from_process_group(groups[rank])
+
+
 class MultiRankTestBase(MultiProcessTestBase):
     """MultiProcessTestBase whose ranks get the test's master port explicitly
     (forkserver children do not see later changes of the parent's env)."""

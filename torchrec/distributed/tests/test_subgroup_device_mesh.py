@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torchrec.distributed.test_utils.multi_process_utils import (
-    BoundedMultiProcessContext,
+    alone_on_subgroups,
     MultiRankTestBase,
 )
 from torchrec.distributed.types import ShardingEnv
@@ -29,10 +29,8 @@ TIMEOUT: timedelta = timedelta(seconds=30)
 
 
 def _device_mesh_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
-        groups = [dist.new_group([r], timeout=TIMEOUT) for r in range(world_size)]
-        pg = groups[rank]
-        env = ShardingEnv.from_process_group(pg)
+    with alone_on_subgroups(rank, world_size, port, TIMEOUT) as env:
+        pg = env.process_group
         mesh = env.device_mesh
         assert mesh is not None
         assert mesh.mesh.tolist() == [rank], mesh

@@ -31,7 +31,7 @@ from torchrec.distributed.sharding_plan import (
 )
 from torchrec.distributed.test_utils.model_zoo import make_ebc
 from torchrec.distributed.test_utils.multi_process_utils import (
-    BoundedMultiProcessContext,
+    alone_on_subgroups,
     MultiRankTestBase,
 )
 from torchrec.distributed.types import ShardingEnv, ShardMetadata
@@ -41,10 +41,7 @@ TIMEOUT: timedelta = timedelta(seconds=60)
 
 
 def _placements_on_subgroup(rank: int, world_size: int, port: str) -> None:
-    with BoundedMultiProcessContext(rank, world_size, port, timeout_s=TIMEOUT.seconds):
-        groups = [dist.new_group([r], timeout=TIMEOUT) for r in range(world_size)]
-        pg = groups[rank]
-        env = ShardingEnv.from_process_group(pg)
+    with alone_on_subgroups(rank, world_size, port, TIMEOUT) as env:
 
         shards = [ShardMetadata([0, 0], [4, 8], "rank:0/cpu")]
         placed = shards_on_global_ranks(shards, env)
