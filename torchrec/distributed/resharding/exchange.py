@@ -39,7 +39,7 @@ part from one rank of the old group to the new group: :func:`broadcast_dense`
 packs it into one buffer per dtype and broadcasts it on the same group.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
@@ -406,6 +406,7 @@ class _Receive:
     buffered: bool
 
 
+@dataclass
 class _Wire:
     """
     The messages of one round: every pair's pieces travel as point-to-point
@@ -413,25 +414,24 @@ class _Wire:
     and received straight into the new shards' wherever a message's pieces are
     one contiguous span there; a message is packed into (or received into) a
     buffer only where they are not.
+
+    Args:
+        fields (Mapping[str, Sequence[Field]]): every table's fields.
+        io (PieceIO): where the pieces are read and written.
+        group (ExchangeGroup): the exchange's group.
+        device (torch.device): the exchange's device.
     """
 
-    def __init__(
-        self,
-        fields: Mapping[str, Sequence[Field]],
-        io: PieceIO,
-        group: ExchangeGroup,
-        device: torch.device,
-    ) -> None:
-        self._fields = fields
-        self._io = io
-        self._group = group
-        self._device = device
-        self.staging = StagingPool()
+    fields: Mapping[str, Sequence[Field]]
+    io: PieceIO
+    group: ExchangeGroup
+    device: torch.device
+    staging: StagingPool = field(default_factory=StagingPool, init=False)
 
     def _outgoing(self, message: WireMessage) -> Tuple[torch.Tensor, bool]:
         """The tensor a message is sent from, and whether it is a buffer."""
-        sources = [_flat(self._io.resolve(t, f)) for t, f in message.entries]
-        span = _flat_span(sources, message.dtype, self._device)
+        sources = [_flat(self.io.resolve(t, f)) for t, f in message.entries]
+        span = _flat_span(sources, message.dtype, self.device)
         if span is not None:
             return span, False
         buffer = self._buffer(message, sources)
@@ -444,7 +444,7 @@ class _Wire:
 
     def _incoming(self, message: WireMessage) -> _Receive:
         """Where a message is received: the new shards' memory, or a buffer."""
-        targets = [self._io.target(t, f) for t, f in message.entries]
+        targets = [self.io.target(t, f) for t, f in message.entries]
         if all(
             x is not None and x.numel() == f.numel(t)
             for x, (t, f) in zip(targets, message.entries)
@@ -452,7 +452,7 @@ class _Wire:
             span = _flat_span(
                 [_flat(x) for x in targets if x is not None],
                 message.dtype,
-                self._device,
+                self.device,
             )
             if span is not None:
                 return _Receive(message, span, buffered=False)
@@ -464,15 +464,15 @@ class _Wire:
     ) -> torch.Tensor:
         """A message's buffer on the wire's device (pinned host memory from
         the exchange's pool where it stages CUDA tensors)."""
-        if pinned_staging(self._device, [t.device for t in data]):
+        if pinned_staging(self.device, [t.device for t in data]):
             return self.staging.take(message.numel, message.dtype)
-        return torch.empty(message.numel, dtype=message.dtype, device=self._device)
+        return torch.empty(message.numel, dtype=message.dtype, device=self.device)
 
     def _commit(self, receive: _Receive) -> None:
         offset = 0
         for t, f in receive.message.entries:
             n = f.numel(t)
-            self._io.commit(t, f, receive.tensor[offset : offset + n])
+            self.io.commit(t, f, receive.tensor[offset : offset + n])
             offset += n
         release_buffer(receive.tensor)
 
@@ -498,7 +498,7 @@ class _Wire:
         outgoing: List[Tuple[torch.Tensor, bool]] = []
         # Peers are group-local ranks (the plan numbers ranks in the group).
         for peer in sorted(receives):
-            for tag, message in enumerate(pair_messages(receives[peer], self._fields)):
+            for tag, message in enumerate(pair_messages(receives[peer], self.fields)):
                 receive = self._incoming(message)
                 incoming.append(receive)
                 messages.append(Message(receive.tensor, peer, tag, send=False))
@@ -507,7 +507,7 @@ class _Wire:
                 if not receive.buffered:
                     stats.bytes_received_in_place += nbytes
         for peer in sorted(sends):
-            for tag, message in enumerate(pair_messages(sends[peer], self._fields)):
+            for tag, message in enumerate(pair_messages(sends[peer], self.fields)):
                 tensor, buffered = self._outgoing(message)
                 outgoing.append((tensor, buffered))
                 messages.append(Message(tensor, peer, tag, send=True))
@@ -515,7 +515,7 @@ class _Wire:
                 stats.bytes_sent += nbytes
                 if not buffered:
                     stats.bytes_sent_in_place += nbytes
-        self._group.wait(self._group.post(messages))
+        self.group.wait(self.group.post(messages))
         for tensor, buffered in outgoing:
             if buffered:
                 release_buffer(tensor)

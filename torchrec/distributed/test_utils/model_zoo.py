@@ -108,12 +108,12 @@ def make_ec(
     seed: int = 0,
 ) -> EmbeddingCollection:
     """
+    The tables of :func:`make_ebc` in an EmbeddingCollection, which needs the
+    same dim for every table.
+
     Args:
-        num_tables (int): number of tables "t0".."tN" with features "f0".."fN".
-        data_type (DataType): FP32, FP16 or BF16.
-        dim (int): the embedding dim (an EC needs the same dim for every table).
-        rows (Optional[Sequence[int]]): rows per table.
-        seed (int): seed of the weights.
+        dim (int): the embedding dim of every table.
+        num_tables, data_type, rows, seed: as for :func:`make_ebc`.
 
     Returns:
         EmbeddingCollection: on CPU, with deterministic weights.

@@ -46,7 +46,6 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.comm import get_local_size, new_intra_and_cross_node_pgs
 from torchrec.distributed.embedding_sharding import shards_on_global_ranks
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
@@ -64,6 +63,7 @@ from torchrec.distributed.test_utils.multi_process_utils import (
     global_weights,
     MultiRankTestBase,
 )
+from torchrec.distributed.test_utils.reshard_utils import DENSE, FUSED
 from torchrec.distributed.types import (
     EnumerableShardingSpec,
     ShardingEnv,
@@ -361,20 +361,10 @@ def _run_subgroups(
 
 class SubgroupModelTest(MultiRankTestBase):
     def test_dmp_on_subgroups_fused_two_hosts_of_two(self) -> None:
-        self.run_ranks(
-            _run_subgroups,
-            WORLD_SIZE,
-            local_size=2,
-            kernel=EmbeddingComputeKernel.FUSED.value,
-        )
+        self.run_ranks(_run_subgroups, WORLD_SIZE, local_size=2, kernel=FUSED)
 
     def test_dmp_on_subgroups_dense_one_rank_per_host(self) -> None:
-        self.run_ranks(
-            _run_subgroups,
-            WORLD_SIZE,
-            local_size=1,
-            kernel=EmbeddingComputeKernel.DENSE.value,
-        )
+        self.run_ranks(_run_subgroups, WORLD_SIZE, local_size=1, kernel=DENSE)
 
     def test_dmp_planner_on_subgroups(self) -> None:
         self.run_ranks(_run_subgroups, WORLD_SIZE, local_size=2, kernel=None)
