@@ -144,3 +144,30 @@ def run_killed_after_agreement(
     assert codes[-1] == -signal.SIGKILL, codes
     assert all(code == 0 for code in codes[:-1]), codes
     return outcomes
+
+
+def assert_survivor_aborted_in_time(
+    timeout_s: float, alive_s: float, slack_s: float, world_size: int = 2
+) -> SurvivorOutcome:
+    """
+    Runs :func:`run_killed_after_agreement` and checks rank 0, a survivor:
+    its error says that all ranks but the killed one reached the gate
+    barrier, it came within the exchange timeout plus ``slack_s``, and no
+    exception dump was posted.
+
+    Args:
+        timeout_s (float): the exchange timeout.
+        alive_s (float): how long a survivor lives on after its error.
+        slack_s (float): how much later than the timeout the error may come.
+        world_size (int): ranks.
+
+    Returns:
+        SurvivorOutcome: rank 0's outcome, for further checks.
+    """
+    survivor = run_killed_after_agreement(world_size, timeout_s, alive_s)[0]
+    assert survivor is not None
+    reached = f"{world_size - 1} of {world_size} ranks reached the gate barrier"
+    assert reached in survivor.error, survivor.error
+    assert survivor.seconds < timeout_s + slack_s, survivor.seconds
+    assert not survivor.dump_key, survivor
+    return survivor
