@@ -37,21 +37,14 @@ from torchrec.distributed.resharding.module_adapters import (
     EmbeddingBagCollectionAdapter,
 )
 from torchrec.distributed.resharding.plan import layout_from_parameter_sharding
+from torchrec.distributed.test_utils.reshard_scenario import reshard_scenario
 from torchrec.distributed.test_utils.reshard_utils import (
     assert_optimizer_states_equal,
     assert_same_training,
     assert_state_dicts_equal,
-    BoundedMultiProcessContext,
     delta,
-    global_optimizer_state,
-    global_weights,
     load_global_state,
-    make_batches,
-    make_ebc,
-    make_plan,
-    make_sharder,
     ReshardTestBase,
-    shard,
     TableSpec,
     train_step,
     TW_CW_RW,
@@ -69,23 +62,20 @@ PLAN_B: Dict[str, TableSpec] = {
 
 
 def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
-    with BoundedMultiProcessContext(rank, world_size, port) as context:
-        pg, env, device = context.pg, context.env, context.device
-        ebc = make_ebc(len(PLAN_A))
-        rows = [c.num_embeddings for c in ebc.embedding_bag_configs()]
-        sharder = make_sharder("rowwise_adagrad" if kernel == FUSED else None)
-        plan_a = make_plan(ebc, PLAN_A, world_size, world_size, kernel, device.type)
-        plan_b = make_plan(ebc, PLAN_B, world_size, world_size, kernel, device.type)
-        batches = make_batches(len(PLAN_A), rows, 4, 4, seed=3)
+    with reshard_scenario(
+        rank, world_size, port, len(PLAN_A), kernel=kernel
+    ) as scenario:
+        env, device = scenario.env, scenario.device
+        plan_a, plan_b = scenario.plan(PLAN_A), scenario.plan(PLAN_B)
+        batches = scenario.batches(4, seed=3)
 
-        module = shard(ebc, sharder, plan_a, env, device)
+        module = scenario.shard(plan_a)
         dense = (
             torch.optim.SGD(module.parameters(), lr=0.05) if kernel == DENSE else None
         )
         for batch in batches[:2]:
             train_step(module, batch.to(device), dense)
-        weights = global_weights(module, pg)
-        optimizer_state = global_optimizer_state(module, pg)
+        state = scenario.global_state(module)
         combined = module.fused_optimizer
 
         adapter = EmbeddingBagCollectionAdapter(module)
@@ -105,7 +95,7 @@ def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
         }
         check_built_layouts(groups, new_layouts, rank)
         adapter.install(groups.infos, groups.shardings, groups.lookups)
-        load_global_state(module, weights, optimizer_state)
+        load_global_state(module, *state)
 
         assert [t for t, _, _ in adapter.groups()] == list(infos)
         for sharding_type, _, lookup in adapter.groups():
@@ -114,8 +104,7 @@ def _install_case(rank: int, world_size: int, port: str, kernel: str) -> None:
         assert module.fused_optimizer is combined  # updated in place
         assert module.module_sharding_plan == plan_b
 
-        reference = shard(ebc, sharder, plan_b, env, device)
-        load_global_state(reference, weights, optimizer_state)
+        reference = scenario.reference(plan_b, state)
         assert_state_dicts_equal(reference.state_dict(), module.state_dict())
         assert_optimizer_states_equal(reference, module)
         assert_same_training(reference, module, batches[2:], kernel, device)
