@@ -24,11 +24,15 @@ def add_to_series(repo: Path, after: str, lines: List[str]) -> None:
 
 
 def test_every_overlay_file_is_in_exactly_one_entry() -> None:
+    """Every overlay file is listed once, and every listed file is in the
+    overlay unless a later entry deletes it."""
     entries = forklib.load_stack(REPO)
     assert forklib.stack_problems(REPO, entries) == []
     listed = [rel for e in entries for rel in e.files]
+    deleted = [rel for e in entries for rel in e.overlay_deletions]
     overlay = [rel.as_posix() for rel in forklib.overlay_files(REPO)]
-    assert sorted(listed) == sorted(overlay)
+    assert sorted(set(listed) - set(deleted)) == sorted(overlay)
+    assert set(deleted) <= set(listed)
     assert len(set(listed)) == len(listed)
 
 
@@ -43,19 +47,26 @@ def test_every_entry_has_a_message_and_tests_with_its_code() -> None:
 
 def test_overlay_diffs_rebuild_the_overlay() -> None:
     """The last version of every file is the overlay's; a file an overlay diff
-    changes had another version before."""
+    changes had another version before; a file one deletes is gone after."""
     entries = forklib.load_stack(REPO)
     versions = forklib.stack_file_versions(REPO, entries)
-    last = {rel: data for writes in versions for rel, data in writes.items()}
-    assert last == {
-        rel.as_posix(): (REPO / rel).read_bytes() for rel in forklib.overlay_files(REPO)
-    }
     seen = {}
     for entry, writes in zip(entries, versions):
         for change in forklib.diff_changes(entry.overlay_diff):
             assert change.path in seen, (entry.name, change.path)
-            assert writes[change.path] != seen[change.path], (entry.name, change.path)
+            if change.new_path is None:
+                assert change.path not in writes, (entry.name, change.path)
+            else:
+                assert writes[change.path] != seen[change.path], (
+                    entry.name,
+                    change.path,
+                )
         seen.update(writes)
+        for rel in entry.overlay_deletions:
+            del seen[rel]
+    assert seen == {
+        rel.as_posix(): (REPO / rel).read_bytes() for rel in forklib.overlay_files(REPO)
+    }
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
