@@ -2,6 +2,7 @@
 entry, header-only entries marked as such, overlay diffs that apply, and the
 round trip through a stack repository."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -203,16 +204,24 @@ def test_a_subject_too_long_for_a_mail_is_reported(repo_copy: Path) -> None:
 
 
 def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> None:
-    # The last entry with an overlay diff: no later diff changes its files,
-    # so the final file's lines are that diff's post-image.
-    entry = [e for e in forklib.load_stack(repo_copy) if e.overlay_diff][-1]
-    target = forklib.diff_changes(entry.overlay_diff)[0].path
+    # The last entry whose overlay diff changes a file (deletions aside): no
+    # later diff changes its files, so the final file's lines are that
+    # diff's post-image.
+    entry = [
+        e
+        for e in forklib.load_stack(repo_copy)
+        if any(c.new_path for c in forklib.diff_changes(e.overlay_diff))
+    ][-1]
+    section = next(
+        part
+        for part in re.split(r"^(?=diff --git )", entry.overlay_diff, flags=re.M)
+        if part and forklib.diff_changes(part)[0].new_path is not None
+    )
+    target = forklib.diff_changes(section)[0].path
     # an edit of the final file right where the diff has its context
     path = repo_copy / target
     lines = path.read_text().splitlines(keepends=True)
-    hunk = next(
-        line for line in entry.overlay_diff.splitlines() if line.startswith("@@")
-    )
+    hunk = next(line for line in section.splitlines() if line.startswith("@@"))
     start = int(hunk.split("+", 1)[1].split(",", 1)[0].split(" ", 1)[0])
     lines[start - 1] = "# an edit the overlay diff does not know\n"
     path.write_text("".join(lines))

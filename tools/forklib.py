@@ -1351,7 +1351,8 @@ def upstream_problems(
     ``#-`` line, and then the base must declare that the overlay file
     replaces upstream's (``replaces``: an overlay file of the stack, in
     upstream's tree and not in the wheel). A ``#-`` line names a file of
-    upstream's tree the wheel lacks, deleted once.
+    upstream's tree the wheel lacks, deleted once; an overlay diff deletes
+    only overlay files upstream's tree lacks.
 
     Args:
         repo (Path): the fork repository.
