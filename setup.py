@@ -14,6 +14,7 @@ overlay, in build/fork-src-1.1.0/.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 from typing import Dict, List
@@ -56,6 +57,11 @@ def main() -> None:
         version = forklib.fork_version(HERE)
     except forklib.ForkError as exc:
         sys.exit(f"torchrec fork build failed: {exc}")
+    # setuptools' build folder keeps what earlier builds copied into it and
+    # packs it all: a file the overlay no longer has would be installed again
+    build_base = src.parent / f"setuptools-{src.name}"
+    if build_base.exists():
+        shutil.rmtree(build_base)
     readme = HERE / "README.md"
     packages = find_packages(str(src), include=["torchrec", "torchrec.*"])
     setup(
@@ -71,7 +77,7 @@ def main() -> None:
         package_data=package_data(src, packages),
         # setuptools' own build folder, one per base too: build/lib would
         # otherwise carry the other base's modules into this one's wheel
-        options={"build": {"build_base": str(src.parent / f"setuptools-{src.name}")}},
+        options={"build": {"build_base": str(build_base)}},
         # torch and fbgemm come from the extras (or are installed beforehand), so
         # that a CPU machine never pulls a CUDA build.
         install_requires=[

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import pytest
 from conftest import REPO
@@ -43,6 +43,47 @@ def test_installed_fork_imports_every_added_module() -> None:
         assert (
             installed.read_bytes() == src.read_bytes()
         ), f"{name}: the installed module differs from {src}; rebuild the fork"
+
+
+def test_installed_fork_lacks_the_deleted_overlay_files() -> None:
+    """An overlay file that an entry of the stack deletes (or moves away) is
+    not installed."""
+    import torchrec
+
+    root = Path(torchrec.__file__).resolve().parent.parent
+    deleted = [rel for e in forklib.load_stack(REPO) for rel in e.overlay_deletions]
+    assert deleted, "no entry deletes an overlay file"
+    for rel in deleted:
+        assert not (REPO / rel).exists(), rel
+        assert not (root / rel).exists(), f"{rel} is installed; rebuild the fork"
+
+
+def build_wheel(repo: Path, out: Path) -> Dict[str, bytes]:
+    """Build the fork's wheel with pip into ``out``; returns its files."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+        + ["-q", "-w", str(out), str(repo)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = out.glob("torchrec-*.whl")
+    return forklib.wheel_contents(wheel)
+
+
+def test_a_rebuild_leaves_out_a_file_the_overlay_no_longer_has(
+    repo_copy: Path, tmp_path: Path
+) -> None:
+    """A build after an overlay file is deleted does not pack the copy an
+    earlier build left in the build folders."""
+    rel = "torchrec/distributed/resharding/zz_deleted.py"
+    (repo_copy / rel).write_text('"""Deleted before the second build."""\n')
+    assert rel in build_wheel(repo_copy, tmp_path / "first")
+    (repo_copy / rel).unlink()
+    files = build_wheel(repo_copy, tmp_path / "second")
+    assert rel not in files
+    kept = "torchrec/distributed/resharding/__init__.py"
+    assert files[kept] == (repo_copy / kept).read_bytes()
 
 
 def _changed_lines(diff: str) -> List[Tuple[str, str, str]]:

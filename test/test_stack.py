@@ -2,6 +2,7 @@
 entry, header-only entries marked as such, overlay diffs that apply, and the
 round trip through a stack repository."""
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,11 +25,15 @@ def add_to_series(repo: Path, after: str, lines: List[str]) -> None:
 
 
 def test_every_overlay_file_is_in_exactly_one_entry() -> None:
+    """Every overlay file is listed once, and every listed file is in the
+    overlay unless a later entry deletes it."""
     entries = forklib.load_stack(REPO)
     assert forklib.stack_problems(REPO, entries) == []
     listed = [rel for e in entries for rel in e.files]
+    deleted = [rel for e in entries for rel in e.overlay_deletions]
     overlay = [rel.as_posix() for rel in forklib.overlay_files(REPO)]
-    assert sorted(listed) == sorted(overlay)
+    assert sorted(set(listed) - set(deleted)) == sorted(overlay)
+    assert set(deleted) <= set(listed)
     assert len(set(listed)) == len(listed)
 
 
@@ -43,19 +48,26 @@ def test_every_entry_has_a_message_and_tests_with_its_code() -> None:
 
 def test_overlay_diffs_rebuild_the_overlay() -> None:
     """The last version of every file is the overlay's; a file an overlay diff
-    changes had another version before."""
+    changes had another version before; a file one deletes is gone after."""
     entries = forklib.load_stack(REPO)
     versions = forklib.stack_file_versions(REPO, entries)
-    last = {rel: data for writes in versions for rel, data in writes.items()}
-    assert last == {
-        rel.as_posix(): (REPO / rel).read_bytes() for rel in forklib.overlay_files(REPO)
-    }
     seen = {}
     for entry, writes in zip(entries, versions):
         for change in forklib.diff_changes(entry.overlay_diff):
             assert change.path in seen, (entry.name, change.path)
-            assert writes[change.path] != seen[change.path], (entry.name, change.path)
+            if change.new_path is None:
+                assert change.path not in writes, (entry.name, change.path)
+            else:
+                assert writes[change.path] != seen[change.path], (
+                    entry.name,
+                    change.path,
+                )
         seen.update(writes)
+        for rel in entry.overlay_deletions:
+            del seen[rel]
+    assert seen == {
+        rel.as_posix(): (REPO / rel).read_bytes() for rel in forklib.overlay_files(REPO)
+    }
 
 
 @pytest.mark.skipif(shutil.which("patch") is None, reason="GNU patch is not installed")
@@ -192,16 +204,24 @@ def test_a_subject_too_long_for_a_mail_is_reported(repo_copy: Path) -> None:
 
 
 def test_overlay_diff_that_no_longer_applies_is_reported(repo_copy: Path) -> None:
-    # The last entry with an overlay diff: no later diff changes its files,
-    # so the final file's lines are that diff's post-image.
-    entry = [e for e in forklib.load_stack(repo_copy) if e.overlay_diff][-1]
-    target = forklib.diff_changes(entry.overlay_diff)[0].path
+    # The last entry whose overlay diff changes a file (deletions aside): no
+    # later diff changes its files, so the final file's lines are that
+    # diff's post-image.
+    entry = [
+        e
+        for e in forklib.load_stack(repo_copy)
+        if any(c.new_path for c in forklib.diff_changes(e.overlay_diff))
+    ][-1]
+    section = next(
+        part
+        for part in re.split(r"^(?=diff --git )", entry.overlay_diff, flags=re.M)
+        if part and forklib.diff_changes(part)[0].new_path is not None
+    )
+    target = forklib.diff_changes(section)[0].path
     # an edit of the final file right where the diff has its context
     path = repo_copy / target
     lines = path.read_text().splitlines(keepends=True)
-    hunk = next(
-        line for line in entry.overlay_diff.splitlines() if line.startswith("@@")
-    )
+    hunk = next(line for line in section.splitlines() if line.startswith("@@"))
     start = int(hunk.split("+", 1)[1].split(",", 1)[0].split(" ", 1)[0])
     lines[start - 1] = "# an edit the overlay diff does not know\n"
     path.write_text("".join(lines))

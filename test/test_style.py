@@ -17,11 +17,12 @@ OURS = ("tools", "benchmarks", "examples", "scripts", "test")
 
 def our_python_files() -> List[str]:
     """Every Python file of ours, relative to the repository."""
+    # an overlay file a later entry deletes is listed, but no longer ours
     overlay = {
         rel
         for entry in forklib.parse_series(REPO, every_base=True)
         for rel in entry.files
-        if rel.endswith(".py")
+        if rel.endswith(".py") and (REPO / rel).is_file()
     }
     others = {
         str(path.relative_to(REPO))

@@ -855,6 +855,17 @@ class StackEntry:
         """The patch file's name."""
         return self.patch.name
 
+    @property
+    def overlay_deletions(self) -> Tuple[str, ...]:
+        """Overlay files introduced by earlier entries that the commit deletes:
+        the ``deleted file mode`` sections of its overlay diff (which keep the
+        file's last content), in order."""
+        return tuple(
+            change.path
+            for change in diff_changes(self.overlay_diff)
+            if change.new_path is None
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class FileChange:
@@ -961,10 +972,17 @@ def load_stack(repo: Path = REPO_ROOT) -> List[StackEntry]:
 
 
 def _apply_to_files(
-    files: Mapping[str, bytes], diff: str, *, reverse: bool, what: str
+    files: Mapping[str, bytes],
+    diff: str,
+    *,
+    reverse: bool,
+    what: str,
+    paths: Sequence[str] = (),
 ) -> Dict[str, bytes]:
     """Apply ``diff`` (or its reverse) to ``files`` (path -> content) in a
-    scratch directory; returns the new contents of the same paths."""
+    scratch directory; returns the new contents of the same paths and of
+    ``paths`` (files the diff may create), those that exist afterwards (a
+    file the diff deletes is left out)."""
     with tempfile.TemporaryDirectory(prefix="torchrec-fork-apply-") as tmp:
         root = Path(tmp)
         for rel, data in files.items():
@@ -976,7 +994,86 @@ def _apply_to_files(
         if proc.returncode != 0:
             how = "in reverse to the overlay's files" if reverse else "forwards"
             raise ForkError(f"{what} does not apply {how}: {proc.stderr.strip()}")
-        return {rel: (root / rel).read_bytes() for rel in files}
+        return {
+            rel: (root / rel).read_bytes()
+            for rel in (*files, *paths)
+            if (root / rel).is_file()
+        }
+
+
+def overlay_deletions(
+    repo: Path = REPO_ROOT, stack: Optional[Sequence[StackEntry]] = None
+) -> Dict[str, int]:
+    """
+    The overlay files the stack deletes, each with the index of the entry
+    whose overlay diff deletes it (a ``deleted file mode`` section), after
+    checking the life of every overlay file: an entry introduces it (a
+    ``#+`` line), later entries' overlay diffs may change it, and one may
+    delete it; after that no entry touches it again or introduces it anew,
+    and the overlay (the state after the last entry) no longer has it.
+
+    Args:
+        repo (Path): the fork repository.
+        stack (Optional[Sequence[StackEntry]]): its stack (default: loaded).
+
+    Returns:
+        Dict[str, int]: path -> index in ``stack`` of the entry deleting it.
+
+    Raises:
+        ForkError: when an overlay diff creates a file, changes or deletes
+            one that no earlier entry introduces or that an earlier entry
+            deleted, or when an entry introduces a deleted file again or the
+            overlay still has a deleted file.
+    """
+    stack = load_stack(repo) if stack is None else stack
+    alive: Set[str] = set()
+    deleted: Dict[str, int] = {}
+    for k, entry in enumerate(stack):
+        what = f"patches/{overlay_diff_path(repo, entry.name).name}"
+        for rel in entry.files:
+            if rel in deleted:
+                raise ForkError(
+                    f"{entry.name}: '{SERIES_FILE} {rel}' introduces a file that "
+                    f"{stack[deleted[rel]].name} deletes: a deleted overlay file "
+                    f"cannot come back; give the new file another path, or keep "
+                    f"the old one instead of deleting it"
+                )
+        for change in diff_changes(entry.overlay_diff):
+            rel = change.path
+            does = "deletes" if change.new_path is None else "changes"
+            if change.old_path is None:
+                raise ForkError(
+                    f"{what}: creates {rel}; an entry introduces a file with a "
+                    f"'{SERIES_FILE} PATH' line in patches/series instead"
+                )
+            if rel in deleted:
+                raise ForkError(
+                    f"{what}: {does} {rel}, which {stack[deleted[rel]].name} "
+                    f"deletes: no later entry may touch a deleted overlay file"
+                )
+            if rel in entry.files or rel not in alive:
+                upstream = (
+                    f" (an upstream file is deleted by a patch, or by a "
+                    f"'{SERIES_DELETE} PATH' line where the wheel lacks it)"
+                    if change.new_path is None
+                    else ""
+                )
+                raise ForkError(
+                    f"{what}: {does} {rel}, which no earlier entry of "
+                    f"patches/series introduces{upstream}"
+                )
+            if change.new_path is None:
+                alive.discard(rel)
+                deleted[rel] = k
+        alive.update(entry.files)
+    for rel, k in deleted.items():
+        if (repo / rel).exists():
+            raise ForkError(
+                f"{rel}: {stack[k].name} deletes it, but the overlay still has "
+                f"the file: remove it from {PACKAGE}/ (the overlay is the state "
+                f"after the last entry)"
+            )
+    return deleted
 
 
 def stack_file_versions(
@@ -984,9 +1081,11 @@ def stack_file_versions(
 ) -> List[Dict[str, bytes]]:
     """
     The overlay files each entry writes, with their content right after that
-    entry: the files it introduces and those its overlay diff changes. The
+    entry: the files it introduces and those its overlay diff changes (not
+    those it deletes: :attr:`StackEntry.overlay_deletions`). The
     repository's ``torchrec/`` files are the state after the last entry; an
-    earlier state is the later one with the later overlay diffs undone.
+    earlier state is the later one with the later overlay diffs undone (a
+    deleted file comes back with the content its deletion shows).
 
     Args:
         repo (Path): the fork repository.
@@ -997,9 +1096,11 @@ def stack_file_versions(
 
     Raises:
         ForkError: when an overlay diff touches a file no earlier entry
-            introduces, creates or deletes a file, or does not apply.
+            introduces (or one deleted before), creates a file, or does not
+            apply, and where :func:`overlay_deletions` refuses the stack.
     """
     stack = load_stack(repo) if stack is None else stack
+    overlay_deletions(repo, stack)
     current: Dict[str, bytes] = {}
     for entry in stack:
         for rel in entry.files:
@@ -1012,27 +1113,18 @@ def stack_file_versions(
         changes = diff_changes(entry.overlay_diff)
         if entry.overlay_diff.strip() and not changes:
             raise ForkError(f"{what}: no 'diff --git' section found")
-        touched: List[str] = []
-        for change in changes:
-            if change.old_path is None or change.new_path is None:
-                raise ForkError(
-                    f"{what}: creates or deletes {change.path}; an entry introduces "
-                    f"a file with a '#+ PATH' line in patches/series instead"
-                )
-            if change.path in entry.files or change.path not in current:
-                raise ForkError(
-                    f"{what}: changes {change.path}, which no earlier entry of "
-                    f"patches/series introduces"
-                )
-            touched.append(change.path)
+        changed = [c.path for c in changes if c.new_path is not None]
+        removed = [c.path for c in changes if c.new_path is None]
         writes[k] = {
-            rel: current[rel] for rel in (*entry.files, *touched) if rel in current
+            rel: current[rel] for rel in (*entry.files, *changed) if rel in current
         }
-        if touched:
-            after = {rel: current[rel] for rel in touched}
-            before = _apply_to_files(after, entry.overlay_diff, reverse=True, what=what)
+        if changes:
+            after = {rel: current[rel] for rel in changed if rel in current}
+            before = _apply_to_files(
+                after, entry.overlay_diff, reverse=True, what=what, paths=removed
+            )
             again = _apply_to_files(
-                before, entry.overlay_diff, reverse=False, what=what
+                before, entry.overlay_diff, reverse=False, what=what, paths=removed
             )
             if again != after:
                 raise ForkError(
@@ -1049,7 +1141,8 @@ def stack_problems(
 ) -> List[str]:
     """
     Everything wrong with the selected base's stack mapping, one message
-    each: every overlay file must be introduced by exactly one entry, plain
+    each: every overlay file must be introduced by exactly one entry (a
+    file a later entry deletes too, which the overlay then lacks), plain
     entries must have a diff (but where a base's variant is a header only)
     and ``#=`` entries none, every entry needs a
     subject and a body and must change something, overlay diffs must apply.
@@ -1064,6 +1157,7 @@ def stack_problems(
     stack = load_stack(repo) if stack is None else stack
     problems: List[str] = []
     overlay = {rel.as_posix() for rel in overlay_files(repo)}
+    deleted = {rel for entry in stack for rel in entry.overlay_deletions}
     owner: Dict[str, str] = {}
     for entry in stack:
         name = entry.name
@@ -1073,7 +1167,7 @@ def stack_problems(
                     f"{rel} is introduced twice: by {owner[rel]} and {name}"
                 )
             owner.setdefault(rel, name)
-            if rel not in overlay:
+            if rel not in overlay and rel not in deleted:
                 problems.append(
                     f"{name}: '{SERIES_FILE} {rel}' names no file of the overlay "
                     f"(paths start with {PACKAGE}/)"
@@ -1257,7 +1351,8 @@ def upstream_problems(
     ``#-`` line, and then the base must declare that the overlay file
     replaces upstream's (``replaces``: an overlay file of the stack, in
     upstream's tree and not in the wheel). A ``#-`` line names a file of
-    upstream's tree the wheel lacks, deleted once.
+    upstream's tree the wheel lacks, deleted once; an overlay diff deletes
+    only overlay files upstream's tree lacks.
 
     Args:
         repo (Path): the fork repository.
@@ -1314,6 +1409,14 @@ def upstream_problems(
             else:
                 deleted[rel] = k
     introduced = {rel: k for k, entry in enumerate(stack) for rel in entry.files}
+    for entry in stack:
+        for rel in entry.overlay_deletions:
+            if rel in upstream.blobs:
+                problems.append(
+                    f"{entry.name} deletes the overlay file {rel}, which {at} "
+                    f"has: delete upstream's file with a patch or a "
+                    f"'{SERIES_DELETE} PATH' line instead"
+                )
     for rel in replaces:
         if rel not in introduced:
             problems.append(f"base.json: 'replaces' names {rel}, no overlay file")

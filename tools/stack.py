@@ -246,12 +246,31 @@ def build_stack_repo(
     commits: List[StackCommit] = []
     for entry, writes in zip(stack, versions):
         fl.apply_patch(tree, entry.patch)
-        for rel, data in writes.items():
-            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tree / rel).write_bytes(data)
+        write_overlay_state(tree, writes, entry.overlay_deletions)
         sha = _commit(tree, entry.patch.message, identity or dict(fl.GIT_IDENTITY))
         commits.append(StackCommit(entry, sha, _numstat(tree, sha)))
     return commits
+
+
+def write_overlay_state(
+    tree: Path, writes: Mapping[str, bytes], deletions: Sequence[str]
+) -> None:
+    """
+    Bring a tree's overlay files to their state at one entry: write the
+    files it introduces or changes and delete those it deletes.
+
+    Args:
+        tree (Path): the tree.
+        writes (Mapping[str, bytes]): the entry's files, path -> content (see
+            :func:`tools.forklib.stack_file_versions`).
+        deletions (Sequence[str]): the overlay files it deletes
+            (:attr:`tools.forklib.StackEntry.overlay_deletions`).
+    """
+    for rel, data in writes.items():
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_bytes(data)
+    for rel in deletions:
+        (tree / rel).unlink()
 
 
 def _diff(tree: Path, sha: str, paths: Sequence[str]) -> str:
@@ -340,20 +359,23 @@ def refresh_overlay_diffs(tree: Path, repo: Path = fl.REPO_ROOT) -> List[Path]:
         if stray:
             raise fl.ForkError(
                 f"commit {sha[:12]} ({entry.name}) touches {', '.join(stray)}, "
-                f"which a later entry introduces"
+                f"which a later entry introduces or an earlier one deleted"
             )
         diff = _diff(tree, sha, sorted(p for p in changed if p in earlier))
         pending[fl.overlay_diff_path(repo, entry.name)] = diff
         earlier += [rel for rel in entry.files if rel not in earlier]
+        earlier = [rel for rel in earlier if changed.get(rel) != "D"]
     head = commits[-1] if commits else fl.UPSTREAM_TAG
     for rel in sorted(overlay):
         shown = subprocess.run(
             ["git", "show", f"{head}:{rel}"], cwd=tree, capture_output=True
         )
-        if shown.returncode != 0 or shown.stdout != (repo / rel).read_bytes():
+        final = (repo / rel).read_bytes() if (repo / rel).is_file() else None
+        if (shown.stdout if shown.returncode == 0 else None) != final:
             raise fl.ForkError(
-                f"{rel} at the top of {tree} differs from the repository's file: "
-                f"the overlay holds the final state of every file"
+                f"{rel} at the top of {tree} differs from the repository's file "
+                f"(or only one of them has it): the overlay holds the final "
+                f"state of every file"
             )
     written: List[Path] = []
     for path, diff in pending.items():
@@ -422,6 +444,11 @@ def absorb_overlay_changes(repo: Path = fl.REPO_ROOT, depth: int = 200) -> List[
     for k, entry in enumerate(stack):
         for change in fl.diff_changes(entry.overlay_diff):
             chains.setdefault(change.path, []).append(k)
+    # A deleted file has no final version to absorb: its deletion in an
+    # overlay diff holds its last content (edit that diff instead).
+    for entry in stack:
+        for rel in entry.overlay_deletions:
+            chains.pop(rel, None)
     rewritten: Dict[int, Dict[str, str]] = {}
     for rel, ks in sorted(chains.items()):
         final = (repo / rel).read_bytes()
@@ -556,6 +583,7 @@ def cover_letter_text(
         f"{c.changed_lines} lines)"
         for i, c in enumerate(commits, start=1)
     )
+    deleted = {rel for c in commits for rel in c.entry.overlay_deletions}
     tests = sorted(
         {
             path
@@ -563,6 +591,7 @@ def cover_letter_text(
             for path, _, _ in c.files
             if fl.is_test_file(path)
             and (path not in upstream.blobs or path in base.replaces)
+            and path not in deleted
         }
     )
     if upstream.commit:
@@ -1179,12 +1208,12 @@ def _advance(
     present: List[str] = []
     for index, (entry, writes) in enumerate(zip(stack, versions), start=1):
         fl.apply_patch(run.tree, entry.patch)
-        for rel, data in writes.items():
-            (run.tree / rel).parent.mkdir(parents=True, exist_ok=True)
-            (run.tree / rel).write_bytes(data)
+        write_overlay_state(run.tree, writes, entry.overlay_deletions)
         changed = [c.path for c in fl.diff_changes(entry.patch.diff)]
+        changed += entry.overlay_deletions
         _invalidate_bytecode(run.tree, changed + list(writes))
         present += [rel for rel in writes if rel not in present]
+        present = [rel for rel in present if rel not in entry.overlay_deletions]
         if run.only and entry.name not in run.only:
             continue
         with_tests = run.run_tests is None or run.run_tests(entry)
