@@ -57,8 +57,12 @@ rank's kernel time relative to the split bound (the mean rank, what
 splitting could reach at best): the whole-shard bound (the mean rank or
 the costliest whole table), the column bound (the costliest table cut in
 4-column shards), the static placement, the rebalancer's moves only and
-its moves with splits after ``--windows`` windows, the shards after, and
-the decision's CPU time per window with splits (median, max).
+its moves with (column) splits and with row splits too (``+rows``: a table
+may become row-wise over the group or table-row-wise over the least loaded
+host of ``--local-world-size`` ranks; the reference model charges every
+rank of a row-wise table its pooled output, ``samples x cols`` elements)
+after ``--windows`` windows, the shards after, and the decision's CPU time
+per window with splits and with row splits (median, max).
 
     python benchmarks/rebalance_scale_benchmark.py            # every case
     python benchmarks/rebalance_scale_benchmark.py --worlds 64 --tables 100
@@ -86,6 +90,7 @@ FIXED_S = 0.0005
 SLOPE_S = 2.0e-10  # seconds per element read (reference model)
 NOISE = 0.02
 TRACES = ("rotating", "growing", "new-hot")
+ROW_TYPES = ("row_wise", "table_row_wise")
 
 
 @dataclass
@@ -151,6 +156,11 @@ def true_kernels(
     from torchrec.distributed.resharding.rebalance.costs import rank_elements
 
     elements = rank_elements(placement.units, ids, placement.world_size)
+    samples = LOCAL_BATCH * placement.world_size  # per table: one feature
+    for unit in placement.units:  # a row-wise table's pooled output, per rank
+        table = placement.tables[unit.table]
+        if table.sharding_type in ROW_TYPES:
+            elements[unit.rank] += samples * table.layout.cols
     out = []
     for e in elements:
         k = FIXED_S + SLOPE_S * e
@@ -459,7 +469,12 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
     }
     noise = random.Random(args.seed)
     splittable = {tb.key for tb in static.tables}
-    for name, splits in (("moves", False), ("splits", True)):
+    rows = {tb.key: ROW_TYPES for tb in static.tables}
+    for name, splits, row_splits in (
+        ("moves", False, False),
+        ("splits", True, False),
+        ("rows", True, True),
+    ):
         placement, slope = static, None
         cpu_ms: List[float] = []
         for _ in range(args.windows):
@@ -477,6 +492,8 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
                 0.0,
                 None,
                 splittable if splits else None,
+                row_splittable=rows if row_splits else None,
+                local_world_size=args.local_world_size,
             )
             cpu_ms.append(1e3 * (time.thread_time() - cpu))
             if not proposal.layouts or proposal.prediction.gain < 0.01:
@@ -485,31 +502,40 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         out[f"{name}_s"] = max(true_kernels(placement, ids, None))
         out[f"{name}_cpu_ms"] = cpu_ms
         out[f"{name}_shards"] = len(placement.units)
+        out[f"{name}_row_wise"] = sum(
+            tb.sharding_type in ROW_TYPES for tb in placement.tables
+        )
     return out
 
 
 def zipf_table(rows: Sequence[Dict[str, Any]]) -> str:
     head = (
         f"{'W':>5} {'T':>5} {'zipf':>5} {'whole LB':>9} {'column LB':>9} "
-        f"{'static':>8} {'moves':>8} {'+splits':>8} {'shards':>11} "
-        f"{'cpu ms med':>10} {'max':>6}"
+        f"{'static':>8} {'moves':>8} {'+splits':>8} {'+rows':>8} {'shards':>11} "
+        f"{'+rows':>11} {'rw/twrw':>7} {'cpu ms med':>10} {'max':>6} "
+        f"{'+rows med':>9} {'max':>6}"
     )
     lines = [
-        "slowest rank's kernel time / split bound (the mean rank); shards: "
-        "before -> after splits; cpu ms: the decision per window with splits",
+        "slowest rank's kernel time / split bound (the mean rank); +splits: "
+        "moves and column splits, +rows: and row splits (a row-wise table's "
+        "ranks each pay its pooled output); shards: before -> after; rw/twrw: "
+        "tables made row-wise; cpu ms: the decision per window",
         head,
         "-" * len(head),
     ]
     for r in rows:
         b = r["split_bound_s"]
-        cpu = r["splits_cpu_ms"]
+        cpu, cpu_rows = r["splits_cpu_ms"], r["rows_cpu_ms"]
         lines.append(
             f"{r['world']:>5} {r['tables']:>5} {r['zipf']:>5.2f} "
             f"{r['whole_bound_s'] / b:>9.2f} {r['column_bound_s'] / b:>9.2f} "
             f"{r['static_s'] / b:>8.2f} {r['moves_s'] / b:>8.2f} "
-            f"{r['splits_s'] / b:>8.2f} "
+            f"{r['splits_s'] / b:>8.2f} {r['rows_s'] / b:>8.2f} "
             f"{str(r['tables']) + '->' + str(r['splits_shards']):>11} "
-            f"{statistics.median(cpu):>10.1f} {max(cpu):>6.1f}"
+            f"{str(r['tables']) + '->' + str(r['rows_shards']):>11} "
+            f"{r['rows_row_wise']:>7} "
+            f"{statistics.median(cpu):>10.1f} {max(cpu):>6.1f} "
+            f"{statistics.median(cpu_rows):>9.1f} {max(cpu_rows):>6.1f}"
         )
     return "\n".join(lines)
 
@@ -523,8 +549,9 @@ def zipf_main(args: argparse.Namespace) -> None:
     text = zipf_table(rows)
     print()
     print(text)
-    worst = max(max(r["splits_cpu_ms"]) for r in rows)
-    print(f"worst decision per window (CPU, with splits): {worst:.1f} ms")
+    for name, what in (("splits", "with splits"), ("rows", "with row splits")):
+        worst = max(max(r[f"{name}_cpu_ms"]) for r in rows)
+        print(f"worst decision per window (CPU, {what}): {worst:.1f} ms")
     stem = save_results(
         args.out_dir, NAME + "_zipf", {"args": vars(args), "cases": rows}
     )
@@ -628,6 +655,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=8, help="windows per phase")
     p.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--local-world-size",
+        type=int,
+        default=8,
+        help="ranks per host (--zipf: the hosts of table-row-wise splits)",
+    )
     p.add_argument(
         "--zipf",
         type=float,

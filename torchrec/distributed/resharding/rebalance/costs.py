@@ -34,11 +34,15 @@ time a move leaves.
   moves it with the shard; a split pays it once more (each column-wise
   shard reads every id of its table), a merge saves it.
 * ``propose`` runs the incremental search on one window's statistics, and
-  then, for the tables it may split, the split search on the moves' result.
+  then, for the tables it may split, the split search on the moves' result,
+  and then, for the tables it may spread by rows, the row split search
+  (``row_splits``) on what is left: a row block reads its share of the ids
+  (and of their fixed cost), and every rank of a row-wise table pays the
+  pooled output of every sample (``samples x cols`` elements per rank).
 """
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
@@ -46,6 +50,12 @@ from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
     ShardUnit,
+)
+from torchrec.distributed.resharding.rebalance.row_splits import (
+    ROW_SPLITTABLE_TYPES,
+    RowCosts,
+    RowSplitResult,
+    search_row_splits,
 )
 from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
 from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
@@ -117,6 +127,8 @@ class Proposal:
             (the tables split).
         splits (Optional[SplitResult]): the split search's result, None when
             it did not run.
+        row_splits (Optional[RowSplitResult]): the row split search's
+            result, None when it did not run.
     """
 
     layouts: Dict[str, TableLayout]
@@ -124,12 +136,66 @@ class Proposal:
     search: Optional[SearchResult] = None
     sharding_types: Dict[str, str] = field(default_factory=dict)
     splits: Optional[SplitResult] = None
+    row_splits: Optional[RowSplitResult] = None
+
+    @property
+    def split(self) -> bool:
+        """Whether a table was cut (by columns or by rows), not only moved."""
+        return any(
+            result is not None and bool(result.layouts)
+            for result in (self.splits, self.row_splits)
+        )
 
 
 def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
     """Per table of the placement, ids per step over all ranks (0 if unseen)."""
     ids = {table_key(t.path, t.table): t.ids_per_step for t in stats.tables}
     return [ids.get(t.key, 0.0) for t in placement.tables]
+
+
+def table_samples(stats: LoadStatistics, placement: Placement) -> List[float]:
+    """
+    Per table of the placement, samples (bags of its features) per step over
+    all ranks (0 if unseen).
+    """
+    world_size = placement.world_size
+    samples = {
+        table_key(t.path, t.table): sum(t.samples_per_rank_step) * world_size
+        for t in stats.tables
+    }
+    return [samples.get(t.key, 0.0) for t in placement.tables]
+
+
+def row_split_costs(
+    placement: Placement,
+    ids: Sequence[float],
+    samples: Sequence[float],
+    seconds_per_element: float,
+    lookup_columns: float = 0.0,
+) -> Dict[int, RowCosts]:
+    """Per table of the placement, what its row blocks cost (seconds per step)."""
+    out = {}
+    for t, table in enumerate(placement.tables):
+        cols = table.layout.cols
+        out[t] = RowCosts(
+            ids[t] * (cols + lookup_columns) * seconds_per_element,
+            samples[t] * cols * seconds_per_element,
+        )
+    return out
+
+
+def row_block_elements(
+    layout: TableLayout, ids: float, samples: float, lookup_columns: float = 0.0
+) -> List[Tuple[int, float]]:
+    """(rank, elements per step) of each row block of a row-wise layout."""
+    return [
+        (
+            s.rank,
+            ids * s.rect.rows / layout.rows * (layout.cols + lookup_columns)
+            + samples * layout.cols,
+        )
+        for s in layout.shards
+    ]
 
 
 def unit_elements(unit: ShardUnit, lookup_columns: float = 0.0) -> float:
@@ -255,10 +321,13 @@ def propose(
     move_budget: Optional[int] = None,
     splittable: Optional[AbstractSet[str]] = None,
     lookup_columns: float = 0.0,
+    row_splittable: Optional[Mapping[str, Tuple[str, ...]]] = None,
+    local_world_size: Optional[int] = None,
 ) -> Proposal:
     """
     The incremental search on one window's statistics (moves and swaps, then
-    splits of the ``splittable`` tables).
+    splits of the ``splittable`` tables, then row splits of the
+    ``row_splittable`` ones the window left as they are).
 
     Args:
         stats (LoadStatistics): the window (identical on every rank).
@@ -271,6 +340,11 @@ def propose(
         splittable (Optional[AbstractSet[str]]): keys of the tables whose
             shards may be split (None or empty: no splits).
         lookup_columns (float): a shard's fixed cost per id, in columns.
+        row_splittable (Optional[Mapping[str, Tuple[str, ...]]]): keys of the
+            tables that may be spread by rows, each with the row sharding
+            types its constraints allow (None or empty: no row splits).
+        local_world_size (Optional[int]): ranks per host (for table-row-wise
+            splits; None: one host).
 
     Returns:
         Proposal: the new layouts and the predicted step time.
@@ -287,14 +361,18 @@ def propose(
     )
     layouts = moved_layouts(placement, result.moves)
     loads: Sequence[float] = result.loads
+    traffic: Sequence[int] = result.rank_bytes
     types: Dict[str, str] = {}
     split: Optional[SplitResult] = None
     where = [u.rank for u in placement.units]
     for index, rank in result.moves:
         where[index] = rank
     after = [0.0] * placement.world_size
+    used = [0] * placement.world_size
     for unit, rank in zip(placement.units, where):
         after[rank] += ids[unit.table] * unit_elements(unit, lookup_columns)
+        used[rank] += unit.nbytes
+    index = {t.key: i for i, t in enumerate(placement.tables)}
     if splittable:
         split = search_splits(
             placement,
@@ -308,18 +386,56 @@ def propose(
             where=where,
             fixed=[n * lookup_columns * seconds_per_element for n in ids],
         )
-        index = {t.key: i for i, t in enumerate(placement.tables)}
-        split_tables = {index[key] for key in split.layouts}
-        for i, unit in enumerate(placement.units):  # split: before, less
-            if unit.table in split_tables:
-                after[where[i]] -= ids[unit.table] * unit_elements(unit, lookup_columns)
+        _take_off(placement, where, ids, lookup_columns, split.layouts, after, used)
         for key, layout in split.layouts.items():  # and after (every row)
+            element_bytes = placement.tables[index[key]].element_bytes
             for shard in layout.shards:
                 after[shard.rank] += ids[index[key]] * (
                     shard.rect.cols + lookup_columns
                 )
+                used[shard.rank] += shard.rect.numel * element_bytes
         layouts.update(split.layouts)
-        types, loads = dict(split.sharding_types), split.loads
+        types, loads, traffic = (
+            dict(split.sharding_types),
+            split.loads,
+            split.rank_bytes,
+        )
+    rows: Optional[RowSplitResult] = None
+    allowed = {
+        index[key]: kinds
+        for key, kinds in (row_splittable or {}).items()
+        if key not in layouts
+        and placement.tables[index[key]].sharding_type in ROW_SPLITTABLE_TYPES
+        and not placement.tables[index[key]].layout.replicated
+    }
+    if allowed:
+        samples = table_samples(stats, placement)
+        rows = search_row_splits(
+            placement,
+            loads,
+            costs,
+            capacity,
+            row_split_costs(
+                placement, ids, samples, seconds_per_element, lookup_columns
+            ),
+            allowed,
+            where=where,
+            used=used,
+            traffic=traffic,
+            byte_price=byte_price,
+            move_budget=move_budget,
+            local_world_size=local_world_size,
+        )
+        _take_off(placement, where, ids, lookup_columns, rows.layouts, after, used)
+        for key, layout in rows.layouts.items():
+            t = index[key]
+            for rank, elements in row_block_elements(
+                layout, ids[t], samples[t], lookup_columns
+            ):
+                after[rank] += elements
+        layouts.update(rows.layouts)
+        types.update(rows.sharding_types)
+        loads = rows.loads
     before = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
     saving = modelled_saving(before, after, seconds_per_element)
     return Proposal(
@@ -328,4 +444,24 @@ def propose(
         search=result,
         sharding_types=types,
         splits=split,
+        row_splits=rows,
     )
+
+
+def _take_off(
+    placement: Placement,
+    where: Sequence[int],
+    ids: Sequence[float],
+    lookup_columns: float,
+    layouts: Mapping[str, TableLayout],
+    elements: List[float],
+    used: List[int],
+) -> None:
+    """Takes the shards of the tables of ``layouts`` off the ranks' elements and bytes."""
+    if not layouts:
+        return
+    tables = {t for t, table in enumerate(placement.tables) if table.key in layouts}
+    for unit, rank in zip(placement.units, where):
+        if unit.table in tables:
+            elements[rank] -= ids[unit.table] * unit_elements(unit, lookup_columns)
+            used[rank] -= unit.nbytes

@@ -112,6 +112,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
     ThreadReplanner,
 )
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
+from torchrec.distributed.resharding.rebalance.row_splits import ROW_TYPES
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.whole_plan import (
@@ -425,6 +426,8 @@ class Rebalancer:
             self.policy.move_budget_bytes,
             self._splittable(view) if self.policy.split_shards else None,
             self.policy.shard_lookup_columns(),
+            self._row_splittable(view) if self.policy.split_shards else None,
+            self._topology.local_world_size,
         )
         candidate = search_candidate(
             proposal,
@@ -478,6 +481,17 @@ class Rebalancer:
             types = None if constraint is None else constraint.sharding_types
             if types is None or column_wise in types:
                 out.add(table.key)
+        return out
+
+    def _row_splittable(self, view: _ModelView) -> Dict[str, Tuple[str, ...]]:
+        """Per table key, the row sharding types the user's constraints allow."""
+        out = {}
+        for table in view.placement.tables:
+            constraint = self._constraints.get(table.name)
+            types = None if constraint is None else constraint.sharding_types
+            allowed = tuple(t for t in ROW_TYPES if types is None or t in types)
+            if allowed:
+                out[table.key] = allowed
         return out
 
     def _with_prediction(

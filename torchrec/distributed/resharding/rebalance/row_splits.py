@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Pure: row-wise splits in the per-window search, for a table hotter than
+column splits can fix (its width allows only so many 4-column shards).
+
+After the moves and the column splits, while the slowest rank is above the
+mean, a table with a shard on it may be spread by rows instead, in the
+geometry TorchRec builds (``sharding_plan.calculate_shard_sizes_and_offsets``;
+its input dist bucketizes ids by blocks of ``ceil(rows / n)`` rows, one
+block per rank in rank order, trailing ranks empty when rows run out):
+
+* ``TABLE_ROW_WISE`` over the ranks of one host (``local_world_size``
+  ranks, the host's ``h * L`` to ``h * L + L - 1``), tried on the hosts
+  whose slowest rank is the least loaded;
+* ``ROW_WISE`` over every rank of the group (TorchRec shards row-wise
+  over the whole sharding environment; a plan cannot name a subset).
+
+The price is the cost model's: a row block reads its share of the table's
+ids (``ids x rows share x (cols + lookup_columns)`` elements), and every
+rank of the table's row group writes the pooled output of every sample of
+the global batch and reads its gradient (``samples x cols`` elements, what
+a row-wise table costs more than a whole one: its partial sums are
+reduce-scattered), whether its block holds many rows or none. That per-rank
+part is what keeps a table worth less than a host of ranks whole, and a
+table of a high pooling factor off the whole group: the search takes a row
+split only where it cuts the slowest rank net of it. The reduce-scatter's
+own seconds are communication, not kernel time: not modelled.
+
+The same rules as moves and column splits: never over a rank's memory (a
+rank holds its row block, all columns, in place of its old shard), the
+bytes moved (a rank keeps the rows of its old shard inside its block)
+priced at ``byte_price`` seconds per step, within ``move_budget`` bytes
+per rank, ties to the lowest index (every rank finds the same splits).
+Only tables the window has not changed yet (their bytes counted from the
+current plan), whose sharding is table-wise, column-wise or
+table-column-wise and whose constraints allow the row sharding type, are
+split. A row-wise table is not moved or split again by the search (its
+row block is its rank's position).
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.placement import Placement
+from torchrec.distributed.resharding.rebalance.search import LoadHeaps
+from torchrec.distributed.types import ShardingType
+
+HOSTS: int = 4  # the least loaded hosts tried per table-row-wise split
+
+ROW_SPLITTABLE_TYPES: Tuple[str, ...] = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+)
+ROW_TYPES: Tuple[str, ...] = (
+    ShardingType.ROW_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+)
+
+
+@dataclass(frozen=True)
+class RowSplitResult:
+    """
+    What the row split search found.
+
+    Args:
+        layouts (Dict[str, TableLayout]): table key -> its row-wise layout
+            (only the tables split).
+        sharding_types (Dict[str, str]): table key -> ``row_wise`` or
+            ``table_row_wise``.
+        loads (Tuple[float, ...]): per rank, the predicted load after.
+        slowest_before (float): the slowest rank's load before.
+        slowest_after (float): the same after the row splits.
+        rank_bytes (Tuple[int, ...]): per rank, bytes sent plus received
+            (the window's earlier steps' and the row splits').
+        rank_used (Tuple[int, ...]): per rank, bytes of tables it holds
+            after.
+    """
+
+    layouts: Dict[str, TableLayout]
+    sharding_types: Dict[str, str]
+    loads: Tuple[float, ...]
+    slowest_before: float
+    slowest_after: float
+    rank_bytes: Tuple[int, ...]
+    rank_used: Tuple[int, ...]
+
+    @property
+    def splits(self) -> int:
+        """Tables spread by rows."""
+        return len(self.layouts)
+
+
+def row_blocks(rows: int, count: int) -> List[Tuple[int, int]]:
+    """
+    TorchRec's row blocks of a table of ``rows`` rows over ``count`` ranks:
+    (first row, rows) per rank, ``ceil(rows / count)`` each, the last
+    non-empty one shorter, any after it empty.
+    """
+    block = -(-rows // count)
+    out = []
+    for i in range(count):
+        start = min(i * block, rows)
+        out.append((start, min(block, rows - start)))
+    return out
+
+
+def row_wise_layout(rows: int, cols: int, ranks: Sequence[int]) -> TableLayout:
+    """The layout of a table spread by rows over ``ranks`` (in that order)."""
+    shards = tuple(
+        PlacedShard(rank, Rect(start, 0, count, cols))
+        for rank, (start, count) in zip(ranks, row_blocks(rows, len(ranks)))
+    )
+    return TableLayout(rows, cols, shards)
+
+
+def host_ranks(world_size: int, local_world_size: int) -> List[List[int]]:
+    """Each host's ranks (``local_world_size`` consecutive ranks)."""
+    return [
+        list(range(h, min(h + local_world_size, world_size)))
+        for h in range(0, world_size, local_world_size)
+    ]
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """
+    What one table costs spread by rows, in seconds per step.
+
+    Args:
+        per_row_share (float): its whole rows' cost (``ids x (cols +
+            lookup_columns)``), a block paying its share of the rows.
+        per_rank (float): what each rank of its group pays whatever its
+            block (``samples x cols``: the pooled output and its gradient).
+    """
+
+    per_row_share: float
+    per_rank: float
+
+
+class _RowSplits(LoadHeaps):
+    """The row split search's mutable state; ``run`` does the work."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        loads: Sequence[float],
+        costs: Sequence[float],
+        where: Sequence[int],
+        used: Sequence[int],
+        traffic: Sequence[int],
+        capacity: Sequence[float],
+        row_costs: Mapping[int, RowCosts],
+        allowed: Mapping[int, Tuple[str, ...]],
+        byte_price: float,
+        move_budget: Optional[int],
+        local_world_size: int,
+    ) -> None:
+        super().__init__(loads)
+        self.placement = placement
+        self.used: List[int] = list(used)
+        self.traffic: List[int] = list(traffic)
+        self.capacity = capacity
+        self.row_costs = row_costs
+        self.allowed = allowed
+        self.byte_price = byte_price
+        self.move_budget = move_budget
+        world_size = placement.world_size
+        self.world: List[int] = list(range(world_size))
+        self.hosts: List[List[int]] = (
+            host_ranks(world_size, local_world_size)
+            if 1 < local_world_size < world_size
+            else []
+        )
+        # per table: its shards as (rank, cols, bytes, cost); per rank its tables
+        self.shards: Dict[int, List[Tuple[int, int, int, float]]] = {}
+        self.on: List[Set[int]] = [set() for _ in range(world_size)]
+        for unit, rank, cost in zip(placement.units, where, costs):
+            if unit.table not in allowed:
+                continue
+            cols = placement.tables[unit.table].layout.shards[unit.shard].rect.cols
+            self.shards.setdefault(unit.table, []).append(
+                (rank, cols, unit.nbytes, cost)
+            )
+            self.on[rank].add(unit.table)
+        self.layouts: Dict[int, Tuple[str, List[int]]] = {}
+
+    def outcome(
+        self, t: int, ranks: Sequence[int]
+    ) -> Optional[Tuple[float, int, Dict[int, float], Dict[int, int], Dict[int, int]]]:
+        """
+        Table ``t`` spread by rows over ``ranks``: (the highest load of a
+        rank it changes, the bytes moved, and per rank changed its load,
+        its bytes held and its bytes sent plus received after); None where
+        a rank's memory or the move budget refuses it.
+        """
+        table = self.placement.tables[t]
+        rows, cols = table.layout.rows, table.layout.cols
+        element_bytes = table.element_bytes
+        price = self.row_costs[t]
+        old: Dict[int, Tuple[int, int, float]] = {
+            rank: (width, nbytes, cost) for rank, width, nbytes, cost in self.shards[t]
+        }
+        load: Dict[int, float] = {}
+        used: Dict[int, int] = {}
+        moved: Dict[int, int] = {}
+        for rank, (width, nbytes, cost) in old.items():
+            load[rank] = self.load[rank] - cost
+            used[rank] = self.used[rank] - nbytes
+            moved[rank] = nbytes  # sent, less what it keeps below
+        sent = sum(moved.values())
+        for rank, (_, count) in zip(ranks, row_blocks(rows, len(ranks))):
+            kept = count * old[rank][0] * element_bytes if rank in old else 0
+            block = count * cols * element_bytes
+            load[rank] = (
+                load.get(rank, self.load[rank])
+                + price.per_row_share * count / rows
+                + price.per_rank
+            )
+            used[rank] = used.get(rank, self.used[rank]) + block
+            moved[rank] = moved.get(rank, 0) - 2 * kept + block
+            sent -= kept
+        budget = self.move_budget
+        for rank, value in used.items():
+            if value > self.used[rank] and value > self.capacity[rank]:
+                return None
+            if budget is not None and moved[rank] > 0:
+                if self.traffic[rank] + moved[rank] > budget:
+                    return None
+        traffic = {r: self.traffic[r] + v for r, v in moved.items()}
+        return max(load.values()), sent, load, used, traffic
+
+    def candidates(self, t: int) -> List[Tuple[str, int, List[int]]]:
+        """(sharding type, host index or -1, ranks) of each row split of ``t`` tried."""
+        out: List[Tuple[str, int, List[int]]] = []
+        allowed = self.allowed[t]
+        if ShardingType.TABLE_ROW_WISE.value in allowed and self.hosts:
+            peaks = sorted(
+                (max(self.load[r] for r in ranks), h)
+                for h, ranks in enumerate(self.hosts)
+            )
+            for _, h in peaks[:HOSTS]:
+                out.append((ShardingType.TABLE_ROW_WISE.value, h, self.hosts[h]))
+        if ShardingType.ROW_WISE.value in allowed:
+            out.append((ShardingType.ROW_WISE.value, -1, self.world))
+        return out
+
+    def best(self, s: int, ceiling: float) -> Optional[Tuple[float, int, int, str]]:
+        """(score, table, host or -1, type) of the best row split off ``s``."""
+        best: Optional[Tuple[float, int, int, str]] = None
+        for t in sorted(self.on[s]):
+            if t in self.layouts:
+                continue
+            for kind, host, ranks in self.candidates(t):
+                result = self.outcome(t, ranks)
+                if result is None:
+                    continue
+                peak, sent = result[0], result[1]
+                score = peak + self.byte_price * sent
+                if peak >= ceiling or score >= ceiling:
+                    continue
+                candidate = (score, t, host, kind)
+                if best is None or candidate < best:
+                    best = candidate
+        return best
+
+    def apply(self, t: int, host: int, kind: str) -> None:
+        ranks = self.hosts[host] if host >= 0 else self.world
+        result = self.outcome(t, ranks)
+        assert result is not None  # best() found it possible
+        _, _, load, used, traffic = result
+        for rank in sorted(load):
+            self.set_load(rank, load[rank])
+            self.used[rank] = used[rank]
+            self.traffic[rank] = traffic[rank]
+        for rank, _, _, _ in self.shards[t]:
+            self.on[rank].discard(t)
+        self.layouts[t] = (kind, list(ranks))
+
+    def run(self, floor: float, min_cut: float, max_splits: int) -> None:
+        while len(self.layouts) < max_splits:
+            s = self.slowest()
+            top = self.load[s]
+            if top <= floor:
+                break
+            best = self.best(s, top * (1.0 - min_cut))
+            if best is None:
+                break
+            _, t, host, kind = best
+            self.apply(t, host, kind)
+
+
+def search_row_splits(
+    placement: Placement,
+    loads: Sequence[float],
+    costs: Sequence[float],
+    capacity: Sequence[float],
+    row_costs: Mapping[int, RowCosts],
+    allowed: Mapping[int, Tuple[str, ...]],
+    where: Optional[Sequence[int]] = None,
+    used: Optional[Sequence[int]] = None,
+    traffic: Optional[Sequence[int]] = None,
+    byte_price: float = 0.0,
+    move_budget: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    min_cut: float = 0.005,
+    max_splits: Optional[int] = None,
+) -> RowSplitResult:
+    """
+    Spreads hot tables by rows (over one host's ranks or the whole group)
+    while that cuts the slowest rank.
+
+    Args:
+        placement (Placement): the placement before the window's changes.
+        loads (Sequence[float]): per rank, its load after the window's
+            moves and column splits.
+        costs (Sequence[float]): per unit of ``placement``, its share of its
+            rank's load.
+        capacity (Sequence[float]): per rank, the most bytes it may hold.
+        row_costs (Mapping[int, RowCosts]): per table index that may be
+            split, what its row blocks cost.
+        allowed (Mapping[int, Tuple[str, ...]]): per table index that may be
+            split (unchanged by the window so far, of a type in
+            ``ROW_SPLITTABLE_TYPES``), the row sharding types its
+            constraints allow.
+        where (Optional[Sequence[int]]): per unit, its rank now (default:
+            where it is).
+        used (Optional[Sequence[int]]): per rank, bytes of tables it holds
+            now (default: the placement's).
+        traffic (Optional[Sequence[int]]): per rank, bytes the window's
+            earlier steps send plus receive.
+        byte_price (float): seconds per step one byte moved costs.
+        move_budget (Optional[int]): the most bytes a rank may send plus
+            receive (None: no limit).
+        local_world_size (Optional[int]): ranks per host (None or the group:
+            no table-row-wise split).
+        min_cut (float): the least relative cut of the slowest rank a split
+            must make.
+        max_splits (Optional[int]): the most tables split (default: one per
+            host, at least one).
+
+    Returns:
+        RowSplitResult: the split tables' layouts and the loads after.
+    """
+    world_size = placement.world_size
+    if len(placement.units) != len(costs):
+        raise ValueError(f"{len(placement.units)} units but {len(costs)} costs")
+    if not (len(loads) == len(capacity) == world_size):
+        raise ValueError(
+            f"{world_size} ranks but {len(loads)} loads, {len(capacity)} capacities"
+        )
+    for t in allowed:
+        kind = placement.tables[t].sharding_type
+        if kind not in ROW_SPLITTABLE_TYPES or t not in row_costs:
+            raise ValueError(f"table {t} ({kind}) cannot be split by rows")
+    lws = local_world_size or world_size
+    state = _RowSplits(
+        placement,
+        loads,
+        costs,
+        where if where is not None else [u.rank for u in placement.units],
+        used if used is not None else placement.rank_bytes(),
+        traffic if traffic is not None else [0] * world_size,
+        capacity,
+        row_costs,
+        allowed,
+        byte_price,
+        move_budget,
+        lws,
+    )
+    before = max(loads, default=0.0)
+    if loads and before > 0:
+        mean = sum(loads) / world_size
+        limit = max_splits if max_splits is not None else max(1, -(-world_size // lws))
+        state.run(mean * (1.0 + 1e-9), min_cut, limit)
+    layouts: Dict[str, TableLayout] = {}
+    types: Dict[str, str] = {}
+    for t, (kind, ranks) in sorted(state.layouts.items()):
+        table = placement.tables[t]
+        layout = table.layout
+        layouts[table.key] = row_wise_layout(layout.rows, layout.cols, ranks)
+        types[table.key] = kind
+    return RowSplitResult(
+        layouts=layouts,
+        sharding_types=types,
+        loads=tuple(state.load),
+        slowest_before=before,
+        slowest_after=max(state.load, default=0.0),
+        rank_bytes=tuple(state.traffic),
+        rank_used=tuple(state.used),
+    )
