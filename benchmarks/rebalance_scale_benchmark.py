@@ -58,9 +58,10 @@ splitting could reach at best): the whole-shard bound (the mean rank or
 the costliest whole table), the column bound (the costliest table cut in
 4-column shards), the static placement, the rebalancer's moves only and
 its moves with (column) splits and with row splits too (``+rows``: a table
-may become row-wise over the group or table-row-wise over the least loaded
-host of ``--local-world-size`` ranks; the reference model charges every
-rank of a row-wise table its pooled output, ``samples x cols`` elements)
+may become row-wise over the group, table-row-wise over a host of
+``--local-world-size`` ranks, or a grid of column blocks each over a host;
+the reference model charges every rank of a row-wise table the pooled
+output of its columns, ``samples x cols`` elements)
 after ``--windows`` windows, the shards after, and the decision's CPU time
 per window with splits and with row splits (median, max).
 
@@ -90,7 +91,7 @@ FIXED_S = 0.0005
 SLOPE_S = 2.0e-10  # seconds per element read (reference model)
 NOISE = 0.02
 TRACES = ("rotating", "growing", "new-hot")
-ROW_TYPES = ("row_wise", "table_row_wise")
+ROW_TYPES = ("row_wise", "table_row_wise", "grid_shard")
 
 
 @dataclass
@@ -157,10 +158,10 @@ def true_kernels(
 
     elements = rank_elements(placement.units, ids, placement.world_size)
     samples = LOCAL_BATCH * placement.world_size  # per table: one feature
-    for unit in placement.units:  # a row-wise table's pooled output, per rank
+    for unit in placement.units:  # a row-wise shard's pooled output
         table = placement.tables[unit.table]
         if table.sharding_type in ROW_TYPES:
-            elements[unit.rank] += samples * table.layout.cols
+            elements[unit.rank] += samples * table.layout.shards[unit.shard].rect.cols
     out = []
     for e in elements:
         k = FIXED_S + SLOPE_S * e
@@ -436,9 +437,8 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
     from torchrec.distributed.resharding.rebalance.costs import (
         calibrate,
         propose,
-        rank_elements,
-        table_ids,
         unit_costs,
+        window_elements,
     )
     from torchrec.distributed.resharding.rebalance.placement import (
         placement_from_tables,
@@ -481,7 +481,7 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
             stats = window_stats(placement, ids, noise)
             gc.collect()
             cpu = time.thread_time()
-            elements = rank_elements(placement.units, table_ids(stats, placement), w)
+            elements = window_elements(stats, placement)
             slope = calibrate(stats.compute_seconds, elements, slope)
             assert slope is not None
             proposal = propose(
@@ -499,7 +499,9 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
             if not proposal.layouts or proposal.prediction.gain < 0.01:
                 break
             placement = with_split_layouts(placement, proposal)
-        out[f"{name}_s"] = max(true_kernels(placement, ids, None))
+        kernels = true_kernels(placement, ids, None)
+        out[f"{name}_s"] = max(kernels)
+        out[f"{name}_mean_s"] = sum(kernels) / w
         out[f"{name}_cpu_ms"] = cpu_ms
         out[f"{name}_shards"] = len(placement.units)
         out[f"{name}_row_wise"] = sum(
@@ -512,14 +514,15 @@ def zipf_table(rows: Sequence[Dict[str, Any]]) -> str:
     head = (
         f"{'W':>5} {'T':>5} {'zipf':>5} {'whole LB':>9} {'column LB':>9} "
         f"{'static':>8} {'moves':>8} {'+splits':>8} {'+rows':>8} {'shards':>11} "
-        f"{'+rows':>11} {'rw/twrw':>7} {'cpu ms med':>10} {'max':>6} "
+        f"{'+rows':>11} {'row/grid':>8} {'rows mean':>9} {'cpu ms med':>10} {'max':>6} "
         f"{'+rows med':>9} {'max':>6}"
     )
     lines = [
         "slowest rank's kernel time / split bound (the mean rank); +splits: "
         "moves and column splits, +rows: and row splits (a row-wise table's "
-        "ranks each pay its pooled output); shards: before -> after; rw/twrw: "
-        "tables made row-wise; cpu ms: the decision per window",
+        "ranks each pay its pooled output); shards: before -> after; row/grid: "
+        "tables made row-wise, table-row-wise or grid; rows mean: the mean rank after them (their "
+        "ranks' pooled output included); cpu ms: the decision per window",
         head,
         "-" * len(head),
     ]
@@ -533,7 +536,7 @@ def zipf_table(rows: Sequence[Dict[str, Any]]) -> str:
             f"{r['splits_s'] / b:>8.2f} {r['rows_s'] / b:>8.2f} "
             f"{str(r['tables']) + '->' + str(r['splits_shards']):>11} "
             f"{str(r['tables']) + '->' + str(r['rows_shards']):>11} "
-            f"{r['rows_row_wise']:>7} "
+            f"{r['rows_row_wise']:>8} {r['rows_mean_s'] / b:>9.2f} "
             f"{statistics.median(cpu):>10.1f} {max(cpu):>6.1f} "
             f"{statistics.median(cpu_rows):>9.1f} {max(cpu_rows):>6.1f}"
         )

@@ -33,12 +33,14 @@ time a move leaves.
   calibrated by ``benchmarks/shard_cost_benchmark.py``). Moving a shard
   moves it with the shard; a split pays it once more (each column-wise
   shard reads every id of its table), a merge saves it.
-* ``propose`` runs the incremental search on one window's statistics, and
-  then, for the tables it may split, the split search on the moves' result,
-  and then, for the tables it may spread by rows, the row split search
-  (``row_splits``) on what is left: a row block reads its share of the ids
+* ``propose`` runs the incremental search on one window's statistics; then,
+  for the tables it may spread by rows whose narrowest column shard alone
+  is worth more than the mean rank (what column splits cannot fix), the
+  row split search (``row_splits``): a row block reads its share of the ids
   (and of their fixed cost), and every rank of a row-wise table pays the
-  pooled output of every sample (``samples x cols`` elements per rank).
+  pooled output of every sample (``samples x cols`` elements per rank; a
+  grid block's own columns); then, for the tables it may split, the column
+  split search on what is left.
 """
 
 from dataclasses import dataclass, field
@@ -53,12 +55,17 @@ from torchrec.distributed.resharding.rebalance.placement import (
 )
 from torchrec.distributed.resharding.rebalance.row_splits import (
     ROW_SPLITTABLE_TYPES,
+    ROW_TYPES,
     RowCosts,
     RowSplitResult,
     search_row_splits,
 )
 from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
-from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
+from torchrec.distributed.resharding.rebalance.splits import (
+    ALIGN,
+    search_splits,
+    SplitResult,
+)
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 
 # Ranks' elements must spread this much (relative to their mean) for a fit
@@ -174,25 +181,56 @@ def row_split_costs(
     lookup_columns: float = 0.0,
 ) -> Dict[int, RowCosts]:
     """Per table of the placement, what its row blocks cost (seconds per step)."""
-    out = {}
-    for t, table in enumerate(placement.tables):
-        cols = table.layout.cols
-        out[t] = RowCosts(
-            ids[t] * (cols + lookup_columns) * seconds_per_element,
-            samples[t] * cols * seconds_per_element,
+    return {
+        t: RowCosts(
+            ids[t] * seconds_per_element,
+            lookup_columns,
+            samples[t] * seconds_per_element,
         )
+        for t in range(len(placement.tables))
+    }
+
+
+def row_output_elements(placement: Placement, samples: Sequence[float]) -> List[float]:
+    """
+    Per rank, elements per step of the pooled output of the row-wise,
+    table-row-wise and grid shards it holds (``samples x cols`` each).
+    """
+    out = [0.0] * placement.world_size
+    for unit in placement.units:
+        table = placement.tables[unit.table]
+        if table.sharding_type in ROW_TYPES:
+            cols = table.layout.shards[unit.shard].rect.cols
+            out[unit.rank] += samples[unit.table] * cols
     return out
+
+
+def window_elements(
+    stats: LoadStatistics, placement: Placement, lookup_columns: float = 0.0
+) -> List[float]:
+    """
+    Per rank, the elements its shards read per step in a window (their fixed
+    cost per id included) and those the row-wise ones write (their pooled
+    output): what its kernel seconds are fitted against (``calibrate``).
+    """
+    ids = table_ids(stats, placement)
+    elements = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
+    output = row_output_elements(placement, table_samples(stats, placement))
+    return [e + o for e, o in zip(elements, output)]
 
 
 def row_block_elements(
     layout: TableLayout, ids: float, samples: float, lookup_columns: float = 0.0
 ) -> List[Tuple[int, float]]:
-    """(rank, elements per step) of each row block of a row-wise layout."""
+    """
+    (rank, elements per step) of each block of a row-wise, table-row-wise or
+    grid layout: its share of the ids, and the pooled output of its columns.
+    """
     return [
         (
             s.rank,
-            ids * s.rect.rows / layout.rows * (layout.cols + lookup_columns)
-            + samples * layout.cols,
+            ids * s.rect.rows / layout.rows * (s.rect.cols + lookup_columns)
+            + samples * s.rect.cols,
         )
         for s in layout.shards
     ]
@@ -326,8 +364,9 @@ def propose(
 ) -> Proposal:
     """
     The incremental search on one window's statistics (moves and swaps, then
-    splits of the ``splittable`` tables, then row splits of the
-    ``row_splittable`` ones the window left as they are).
+    row splits of the ``row_splittable`` tables the moves left as they are
+    and column splits cannot fix, then column splits of the ``splittable``
+    ones not split by rows).
 
     Args:
         stats (LoadStatistics): the window (identical on every rank).
@@ -350,6 +389,7 @@ def propose(
         Proposal: the new layouts and the predicted step time.
     """
     ids = table_ids(stats, placement)
+    samples = table_samples(stats, placement)
     costs = unit_costs(placement.units, ids, seconds_per_element, lookup_columns)
     result = search_moves(
         stats.compute_seconds,
@@ -373,43 +413,15 @@ def propose(
         after[rank] += ids[unit.table] * unit_elements(unit, lookup_columns)
         used[rank] += unit.nbytes
     index = {t.key: i for i, t in enumerate(placement.tables)}
-    if splittable:
-        split = search_splits(
-            placement,
-            result.loads,
-            costs,
-            capacity,
-            splittable,
-            byte_price=byte_price,
-            move_budget=move_budget,
-            traffic=result.rank_bytes,
-            where=where,
-            fixed=[n * lookup_columns * seconds_per_element for n in ids],
-        )
-        _take_off(placement, where, ids, lookup_columns, split.layouts, after, used)
-        for key, layout in split.layouts.items():  # and after (every row)
-            element_bytes = placement.tables[index[key]].element_bytes
-            for shard in layout.shards:
-                after[shard.rank] += ids[index[key]] * (
-                    shard.rect.cols + lookup_columns
-                )
-                used[shard.rank] += shard.rect.numel * element_bytes
-        layouts.update(split.layouts)
-        types, loads, traffic = (
-            dict(split.sharding_types),
-            split.loads,
-            split.rank_bytes,
-        )
     rows: Optional[RowSplitResult] = None
-    allowed = {
-        index[key]: kinds
-        for key, kinds in (row_splittable or {}).items()
-        if key not in layouts
-        and placement.tables[index[key]].sharding_type in ROW_SPLITTABLE_TYPES
-        and not placement.tables[index[key]].layout.replicated
-    }
+    allowed = _column_bound(
+        placement,
+        row_splittable or {},
+        set(layouts),
+        [n * seconds_per_element * (ALIGN + lookup_columns) for n in ids],
+        sum(loads) / max(len(loads), 1),
+    )
     if allowed:
-        samples = table_samples(stats, placement)
         rows = search_row_splits(
             placement,
             loads,
@@ -435,8 +447,38 @@ def propose(
                 after[rank] += elements
         layouts.update(rows.layouts)
         types.update(rows.sharding_types)
-        loads = rows.loads
+        loads, traffic, used = rows.loads, rows.rank_bytes, list(rows.rank_used)
+    if splittable and rows is not None:
+        splittable = {key for key in splittable if key not in rows.layouts}
+    if splittable:
+        split = search_splits(
+            placement,
+            loads,
+            costs,
+            capacity,
+            splittable,
+            byte_price=byte_price,
+            move_budget=move_budget,
+            traffic=traffic,
+            where=where,
+            fixed=[n * lookup_columns * seconds_per_element for n in ids],
+            used=used,
+        )
+        _take_off(placement, where, ids, lookup_columns, split.layouts, after, used)
+        for key, layout in split.layouts.items():  # and after (every row)
+            for shard in layout.shards:
+                after[shard.rank] += ids[index[key]] * (
+                    shard.rect.cols + lookup_columns
+                )
+        layouts.update(split.layouts)
+        types.update(split.sharding_types)
+        loads = split.loads
     before = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
+    # the pooled output of the tables already row-wise, which nothing here
+    # changes: the busiest rank in elements is the busiest rank
+    output = row_output_elements(placement, samples)
+    before = [b + o for b, o in zip(before, output)]
+    after = [a + o for a, o in zip(after, output)]
     saving = modelled_saving(before, after, seconds_per_element)
     return Proposal(
         layouts=layouts,
@@ -446,6 +488,35 @@ def propose(
         splits=split,
         row_splits=rows,
     )
+
+
+def _column_bound(
+    placement: Placement,
+    row_splittable: Mapping[str, Tuple[str, ...]],
+    changed: AbstractSet[str],
+    narrowest: Sequence[float],
+    mean: float,
+) -> Dict[int, Tuple[str, ...]]:
+    """
+    The tables the row split search may spread, by index, with the row
+    sharding types allowed: those of ``row_splittable`` the moves left as
+    they are, of a type it can split, whose narrowest column shard
+    (``narrowest``, per table: ``ALIGN`` columns reading every id) alone
+    costs more than the mean rank (what column splits cannot fix).
+    """
+    index = {t.key: i for i, t in enumerate(placement.tables)}
+    out = {}
+    for key, kinds in sorted(row_splittable.items()):
+        t = index[key]
+        table = placement.tables[t]
+        if (
+            key not in changed
+            and table.sharding_type in ROW_SPLITTABLE_TYPES
+            and not table.layout.replicated
+            and narrowest[t] > mean
+        ):
+            out[t] = kinds
+    return out
 
 
 def _take_off(

@@ -75,6 +75,7 @@ from torchrec.distributed.resharding.rebalance.costs import (
     rank_elements,
     StepPrediction,
     table_ids,
+    window_elements,
 )
 from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
     RebalanceDecision,
@@ -385,7 +386,7 @@ class Rebalancer:
             )
         ids = table_ids(stats, view.placement)
         lookup = self.policy.shard_lookup_columns()
-        elements = rank_elements(view.placement.units, ids, self._world_size, lookup)
+        elements = window_elements(stats, view.placement, lookup)
         slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
         self._seconds_per_element = slope
         if stats.extra[0][1] > 0:  # group rank 0's full replan is ready

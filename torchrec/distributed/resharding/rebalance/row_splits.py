@@ -11,39 +11,48 @@
 Pure: row-wise splits in the per-window search, for a table hotter than
 column splits can fix (its width allows only so many 4-column shards).
 
-After the moves and the column splits, while the slowest rank is above the
-mean, a table with a shard on it may be spread by rows instead, in the
-geometry TorchRec builds (``sharding_plan.calculate_shard_sizes_and_offsets``;
-its input dist bucketizes ids by blocks of ``ceil(rows / n)`` rows, one
-block per rank in rank order, trailing ranks empty when rows run out):
+After the moves, while the slowest rank is above the mean, a table with a
+shard on it whose narrowest column shard alone is worth more than the mean
+rank (``costs.propose`` picks them; column splits run after, on the rest)
+may be spread by rows, in the geometry TorchRec builds
+(``sharding_plan.calculate_shard_sizes_and_offsets``; its input dist
+bucketizes ids by blocks of ``ceil(rows / n)`` rows, one block per rank in
+rank order, trailing ranks empty when rows run out):
 
 * ``TABLE_ROW_WISE`` over the ranks of one host (``local_world_size``
   ranks, the host's ``h * L`` to ``h * L + L - 1``), tried on the hosts
   whose slowest rank is the least loaded;
 * ``ROW_WISE`` over every rank of the group (TorchRec shards row-wise
-  over the whole sharding environment; a plan cannot name a subset).
+  over the whole sharding environment; a plan cannot name a subset);
+* ``GRID_SHARD``: ``k`` column blocks of equal width (a multiple of
+  ``ALIGN``), each ``TABLE_ROW_WISE`` over the ranks of its own host, on the
+  ``k`` hosts whose slowest rank is the least loaded (TorchRec's
+  ``grid_shard(host_indexes)``; shards by column block, then by row block).
 
 The price is the cost model's: a row block reads its share of the table's
 ids (``ids x rows share x (cols + lookup_columns)`` elements), and every
 rank of the table's row group writes the pooled output of every sample of
 the global batch and reads its gradient (``samples x cols`` elements, what
 a row-wise table costs more than a whole one: its partial sums are
-reduce-scattered), whether its block holds many rows or none. That per-rank
-part is what keeps a table worth less than a host of ranks whole, and a
-table of a high pooling factor off the whole group: the search takes a row
-split only where it cuts the slowest rank net of it. The reduce-scatter's
-own seconds are communication, not kernel time: not modelled.
+reduce-scattered), whether its block holds many rows or none; a grid block
+pays it for its own columns only. That per-rank part is what keeps a table
+worth less than a host of ranks whole, and a table of a high pooling
+factor off the whole group (on many ranks it is worth more than the mean
+rank): the search takes a row split only where it cuts the slowest rank
+net of it. The reduce-scatter's own seconds are communication, not kernel
+time: not modelled.
 
 The same rules as moves and column splits: never over a rank's memory (a
-rank holds its row block, all columns, in place of its old shard), the
-bytes moved (a rank keeps the rows of its old shard inside its block)
-priced at ``byte_price`` seconds per step, within ``move_budget`` bytes
-per rank, ties to the lowest index (every rank finds the same splits).
-Only tables the window has not changed yet (their bytes counted from the
-current plan), whose sharding is table-wise, column-wise or
-table-column-wise and whose constraints allow the row sharding type, are
-split. A row-wise table is not moved or split again by the search (its
-row block is its rank's position).
+rank holds its blocks in place of its old shard), the bytes moved (a rank
+keeps the part of its old shard inside its block) priced at
+``byte_price`` seconds per step, within ``move_budget`` bytes per rank,
+ties to the lowest index (every rank finds the same splits). Only tables
+the window has not moved (their bytes counted from the current plan),
+whose sharding is table-wise, column-wise or table-column-wise and whose
+constraints allow the row sharding type, are split; over hosts only when
+the group is whole hosts. A row-wise, table-row-wise or grid table is not
+moved or split again by the search (its row block is its rank's
+position).
 """
 
 from dataclasses import dataclass
@@ -52,6 +61,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.placement import Placement
 from torchrec.distributed.resharding.rebalance.search import LoadHeaps
+from torchrec.distributed.resharding.rebalance.splits import ALIGN
 from torchrec.distributed.types import ShardingType
 
 HOSTS: int = 4  # the least loaded hosts tried per table-row-wise split
@@ -64,6 +74,7 @@ ROW_SPLITTABLE_TYPES: Tuple[str, ...] = (
 ROW_TYPES: Tuple[str, ...] = (
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.GRID_SHARD.value,
 )
 
 
@@ -75,8 +86,8 @@ class RowSplitResult:
     Args:
         layouts (Dict[str, TableLayout]): table key -> its row-wise layout
             (only the tables split).
-        sharding_types (Dict[str, str]): table key -> ``row_wise`` or
-            ``table_row_wise``.
+        sharding_types (Dict[str, str]): table key -> ``row_wise``,
+            ``table_row_wise`` or ``grid_shard``.
         loads (Tuple[float, ...]): per rank, the predicted load after.
         slowest_before (float): the slowest rank's load before.
         slowest_after (float): the same after the row splits.
@@ -116,11 +127,35 @@ def row_blocks(rows: int, count: int) -> List[Tuple[int, int]]:
 
 def row_wise_layout(rows: int, cols: int, ranks: Sequence[int]) -> TableLayout:
     """The layout of a table spread by rows over ``ranks`` (in that order)."""
+    return grid_layout(rows, cols, [ranks])
+
+
+def grid_layout(rows: int, cols: int, hosts: Sequence[Sequence[int]]) -> TableLayout:
+    """
+    The layout of a table cut in ``len(hosts)`` column blocks of equal width,
+    block ``c`` spread by rows over ``hosts[c]`` (shards by block, then by
+    row block: TorchRec's order).
+    """
+    width = cols // len(hosts)
     shards = tuple(
-        PlacedShard(rank, Rect(start, 0, count, cols))
+        PlacedShard(rank, Rect(start, c * width, count, width))
+        for c, ranks in enumerate(hosts)
         for rank, (start, count) in zip(ranks, row_blocks(rows, len(ranks)))
     )
     return TableLayout(rows, cols, shards)
+
+
+def grid_blocks(cols: int, hosts: int, align: int = ALIGN) -> List[int]:
+    """
+    The column block counts of a grid of a table of ``cols`` columns over at
+    most ``hosts`` hosts: at least 2, dividing ``cols`` in widths that are
+    multiples of ``align``.
+    """
+    return [
+        k
+        for k in range(2, min(hosts, cols // align) + 1)
+        if cols % k == 0 and (cols // k) % align == 0
+    ]
 
 
 def host_ranks(world_size: int, local_world_size: int) -> List[List[int]]:
@@ -137,14 +172,27 @@ class RowCosts:
     What one table costs spread by rows, in seconds per step.
 
     Args:
-        per_row_share (float): its whole rows' cost (``ids x (cols +
-            lookup_columns)``), a block paying its share of the rows.
-        per_rank (float): what each rank of its group pays whatever its
-            block (``samples x cols``: the pooled output and its gradient).
+        ids (float): one column read by every id of the table (``ids x``
+            seconds per element); a row block reads its share of them.
+        lookup_columns (float): the fixed cost of a shard per id it reads,
+            in columns.
+        samples (float): one column of the pooled output of every sample
+            (``samples x`` seconds per element), which each rank of a row
+            group writes (and reads the gradient of), whatever its block.
     """
 
-    per_row_share: float
-    per_rank: float
+    ids: float
+    lookup_columns: float
+    samples: float
+
+    def block(self, rows_share: float, cols: int) -> float:
+        """A block of ``rows_share`` of the rows and ``cols`` columns."""
+        return self.ids * rows_share * (cols + self.lookup_columns) + (
+            self.samples * cols
+        )
+
+
+Grid = List[List[int]]  # per column block, the ranks of its row blocks
 
 
 class _RowSplits(LoadHeaps):
@@ -176,59 +224,65 @@ class _RowSplits(LoadHeaps):
         self.move_budget = move_budget
         world_size = placement.world_size
         self.world: List[int] = list(range(world_size))
+        whole_hosts = 1 < local_world_size < world_size
         self.hosts: List[List[int]] = (
             host_ranks(world_size, local_world_size)
-            if 1 < local_world_size < world_size
+            if whole_hosts and world_size % local_world_size == 0
             else []
         )
-        # per table: its shards as (rank, cols, bytes, cost); per rank its tables
-        self.shards: Dict[int, List[Tuple[int, int, int, float]]] = {}
+        # per table: its shards as (rank, col, cols, bytes, cost); per rank
+        # the tables it holds a shard of
+        self.shards: Dict[int, List[Tuple[int, int, int, int, float]]] = {}
         self.on: List[Set[int]] = [set() for _ in range(world_size)]
         for unit, rank, cost in zip(placement.units, where, costs):
             if unit.table not in allowed:
                 continue
-            cols = placement.tables[unit.table].layout.shards[unit.shard].rect.cols
+            rect = placement.tables[unit.table].layout.shards[unit.shard].rect
             self.shards.setdefault(unit.table, []).append(
-                (rank, cols, unit.nbytes, cost)
+                (rank, rect.col, rect.cols, unit.nbytes, cost)
             )
             self.on[rank].add(unit.table)
-        self.layouts: Dict[int, Tuple[str, List[int]]] = {}
+        self.layouts: Dict[int, Tuple[str, Grid]] = {}
 
     def outcome(
-        self, t: int, ranks: Sequence[int]
+        self, t: int, grid: Grid
     ) -> Optional[Tuple[float, int, Dict[int, float], Dict[int, int], Dict[int, int]]]:
         """
-        Table ``t`` spread by rows over ``ranks``: (the highest load of a
-        rank it changes, the bytes moved, and per rank changed its load,
-        its bytes held and its bytes sent plus received after); None where
-        a rank's memory or the move budget refuses it.
+        Table ``t`` laid out as ``grid`` (its column blocks' ranks): (the
+        highest load of a rank it changes, the bytes moved, and per rank
+        changed its load, its bytes held and its bytes sent plus received
+        after); None where a rank's memory or the move budget refuses it.
         """
         table = self.placement.tables[t]
         rows, cols = table.layout.rows, table.layout.cols
         element_bytes = table.element_bytes
         price = self.row_costs[t]
-        old: Dict[int, Tuple[int, int, float]] = {
-            rank: (width, nbytes, cost) for rank, width, nbytes, cost in self.shards[t]
-        }
+        old: Dict[int, Tuple[int, int]] = {}  # rank -> its old shard's columns
         load: Dict[int, float] = {}
         used: Dict[int, int] = {}
         moved: Dict[int, int] = {}
-        for rank, (width, nbytes, cost) in old.items():
+        for rank, col, width, nbytes, cost in self.shards[t]:
+            old[rank] = (col, width)
             load[rank] = self.load[rank] - cost
             used[rank] = self.used[rank] - nbytes
             moved[rank] = nbytes  # sent, less what it keeps below
         sent = sum(moved.values())
-        for rank, (_, count) in zip(ranks, row_blocks(rows, len(ranks))):
-            kept = count * old[rank][0] * element_bytes if rank in old else 0
-            block = count * cols * element_bytes
-            load[rank] = (
-                load.get(rank, self.load[rank])
-                + price.per_row_share * count / rows
-                + price.per_rank
-            )
-            used[rank] = used.get(rank, self.used[rank]) + block
-            moved[rank] = moved.get(rank, 0) - 2 * kept + block
-            sent -= kept
+        width = cols // len(grid)
+        for c, ranks in enumerate(grid):
+            first = c * width
+            for rank, (_, count) in zip(ranks, row_blocks(rows, len(ranks))):
+                kept = 0
+                if rank in old:  # its old shard spans every row
+                    col, old_width = old[rank]
+                    overlap = min(col + old_width, first + width) - max(col, first)
+                    kept = count * max(overlap, 0) * element_bytes
+                block = count * width * element_bytes
+                load[rank] = load.get(rank, self.load[rank]) + price.block(
+                    count / rows, width
+                )
+                used[rank] = used.get(rank, self.used[rank]) + block
+                moved[rank] = moved.get(rank, 0) - 2 * kept + block
+                sent -= kept
         budget = self.move_budget
         for rank, value in used.items():
             if value > self.used[rank] and value > self.capacity[rank]:
@@ -239,52 +293,61 @@ class _RowSplits(LoadHeaps):
         traffic = {r: self.traffic[r] + v for r, v in moved.items()}
         return max(load.values()), sent, load, used, traffic
 
-    def candidates(self, t: int) -> List[Tuple[str, int, List[int]]]:
-        """(sharding type, host index or -1, ranks) of each row split of ``t`` tried."""
-        out: List[Tuple[str, int, List[int]]] = []
+    def candidates(self, t: int) -> List[Tuple[str, Grid]]:
+        """(sharding type, grid) of each row split of ``t`` tried."""
+        out: List[Tuple[str, Grid]] = []
         allowed = self.allowed[t]
-        if ShardingType.TABLE_ROW_WISE.value in allowed and self.hosts:
+        hosts: List[int] = []
+        if self.hosts:
             peaks = sorted(
                 (max(self.load[r] for r in ranks), h)
                 for h, ranks in enumerate(self.hosts)
             )
-            for _, h in peaks[:HOSTS]:
-                out.append((ShardingType.TABLE_ROW_WISE.value, h, self.hosts[h]))
+            hosts = [h for _, h in peaks]
+        if ShardingType.TABLE_ROW_WISE.value in allowed:
+            for h in hosts[:HOSTS]:
+                out.append((ShardingType.TABLE_ROW_WISE.value, [self.hosts[h]]))
         if ShardingType.ROW_WISE.value in allowed:
-            out.append((ShardingType.ROW_WISE.value, -1, self.world))
+            out.append((ShardingType.ROW_WISE.value, [self.world]))
+        if ShardingType.GRID_SHARD.value in allowed and hosts:
+            cols = self.placement.tables[t].layout.cols
+            for k in grid_blocks(cols, len(hosts)):
+                grid = [self.hosts[h] for h in hosts[:k]]
+                out.append((ShardingType.GRID_SHARD.value, grid))
         return out
 
     def best(self, s: int, ceiling: float) -> Optional[Tuple[float, int, int, str]]:
-        """(score, table, host or -1, type) of the best row split off ``s``."""
+        """(score, table, candidate index, type) of the best row split off ``s``."""
         best: Optional[Tuple[float, int, int, str]] = None
         for t in sorted(self.on[s]):
             if t in self.layouts:
                 continue
-            for kind, host, ranks in self.candidates(t):
-                result = self.outcome(t, ranks)
+            for n, (kind, grid) in enumerate(self.candidates(t)):
+                result = self.outcome(t, grid)
                 if result is None:
                     continue
                 peak, sent = result[0], result[1]
                 score = peak + self.byte_price * sent
                 if peak >= ceiling or score >= ceiling:
                     continue
-                candidate = (score, t, host, kind)
+                candidate = (score, t, n, kind)
                 if best is None or candidate < best:
                     best = candidate
         return best
 
-    def apply(self, t: int, host: int, kind: str) -> None:
-        ranks = self.hosts[host] if host >= 0 else self.world
-        result = self.outcome(t, ranks)
+    def apply(self, t: int, n: int) -> None:
+        """Lays table ``t`` out as its ``n``-th candidate."""
+        kind, grid = self.candidates(t)[n]
+        result = self.outcome(t, grid)
         assert result is not None  # best() found it possible
         _, _, load, used, traffic = result
         for rank in sorted(load):
             self.set_load(rank, load[rank])
             self.used[rank] = used[rank]
             self.traffic[rank] = traffic[rank]
-        for rank, _, _, _ in self.shards[t]:
+        for rank, _, _, _, _ in self.shards[t]:
             self.on[rank].discard(t)
-        self.layouts[t] = (kind, list(ranks))
+        self.layouts[t] = (kind, [list(ranks) for ranks in grid])
 
     def run(self, floor: float, min_cut: float, max_splits: int) -> None:
         while len(self.layouts) < max_splits:
@@ -295,8 +358,8 @@ class _RowSplits(LoadHeaps):
             best = self.best(s, top * (1.0 - min_cut))
             if best is None:
                 break
-            _, t, host, kind = best
-            self.apply(t, host, kind)
+            _, t, n, _ = best
+            self.apply(t, n)
 
 
 def search_row_splits(
@@ -316,20 +379,20 @@ def search_row_splits(
     max_splits: Optional[int] = None,
 ) -> RowSplitResult:
     """
-    Spreads hot tables by rows (over one host's ranks or the whole group)
-    while that cuts the slowest rank.
+    Spreads hot tables by rows (over one host's ranks, the whole group, or
+    column blocks over hosts) while that cuts the slowest rank.
 
     Args:
         placement (Placement): the placement before the window's changes.
         loads (Sequence[float]): per rank, its load after the window's
-            moves and column splits.
+            moves.
         costs (Sequence[float]): per unit of ``placement``, its share of its
             rank's load.
         capacity (Sequence[float]): per rank, the most bytes it may hold.
         row_costs (Mapping[int, RowCosts]): per table index that may be
             split, what its row blocks cost.
         allowed (Mapping[int, Tuple[str, ...]]): per table index that may be
-            split (unchanged by the window so far, of a type in
+            split (not moved by the window, of a type in
             ``ROW_SPLITTABLE_TYPES``), the row sharding types its
             constraints allow.
         where (Optional[Sequence[int]]): per unit, its rank now (default:
@@ -341,8 +404,8 @@ def search_row_splits(
         byte_price (float): seconds per step one byte moved costs.
         move_budget (Optional[int]): the most bytes a rank may send plus
             receive (None: no limit).
-        local_world_size (Optional[int]): ranks per host (None or the group:
-            no table-row-wise split).
+        local_world_size (Optional[int]): ranks per host (None, the group or
+            a group of partial hosts: no table-row-wise or grid split).
         min_cut (float): the least relative cut of the slowest rank a split
             must make.
         max_splits (Optional[int]): the most tables split (default: one per
@@ -384,10 +447,10 @@ def search_row_splits(
         state.run(mean * (1.0 + 1e-9), min_cut, limit)
     layouts: Dict[str, TableLayout] = {}
     types: Dict[str, str] = {}
-    for t, (kind, ranks) in sorted(state.layouts.items()):
+    for t, (kind, grid) in sorted(state.layouts.items()):
         table = placement.tables[t]
         layout = table.layout
-        layouts[table.key] = row_wise_layout(layout.rows, layout.cols, ranks)
+        layouts[table.key] = grid_layout(layout.rows, layout.cols, grid)
         types[table.key] = kind
     return RowSplitResult(
         layouts=layouts,
