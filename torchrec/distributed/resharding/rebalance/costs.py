@@ -39,8 +39,14 @@ time a move leaves.
   row split search (``row_splits``): a row block reads its share of the ids
   (and of their fixed cost), and every rank of a row-wise table pays the
   pooled output of every sample (``samples x cols`` elements per rank; a
-  grid block's own columns); then, for the tables it may split, the column
-  split search on what is left.
+  grid block's own columns), and the communication a row split changes
+  (``exchange``: every rank's bucketization of its ids, the row sharding's
+  collectives, ids in, the pooled output's reduce-scatter, its gradient's
+  all-gather) costs what the job measured (``ExchangePrice``) on each rank
+  it changes ( the prediction's per-rank seconds then
+  hold kernel and exchange, and the saving is that of the slowest rank's
+  sum); then, for the tables it may split, the column split search on what
+  is left.
 """
 
 from dataclasses import dataclass, field
@@ -48,6 +54,7 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
+from torchrec.distributed.resharding.rebalance.exchange import ExchangePrice
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
@@ -344,10 +351,24 @@ def predict_step(
 
 
 def modelled_saving(
-    before: Sequence[float], after: Sequence[float], seconds_per_element: float
+    before: Sequence[float],
+    after: Sequence[float],
+    seconds_per_element: float,
+    exchange: Sequence[float] = (),
 ) -> float:
-    """The cut of the busiest rank's elements (per rank, before and after), in seconds."""
-    return seconds_per_element * (max(before, default=0.0) - max(after, default=0.0))
+    """
+    The cut of the busiest rank's elements (per rank, before and after), in
+    seconds; with ``exchange`` (per rank, the seconds of communication the
+    change adds), of the busiest rank's elements' and exchange seconds.
+    """
+    if not exchange:
+        return seconds_per_element * (
+            max(before, default=0.0) - max(after, default=0.0)
+        )
+    busiest = max(
+        (seconds_per_element * a + e for a, e in zip(after, exchange)), default=0.0
+    )
+    return seconds_per_element * max(before, default=0.0) - busiest
 
 
 def propose(
@@ -361,6 +382,7 @@ def propose(
     lookup_columns: float = 0.0,
     row_splittable: Optional[Mapping[str, Tuple[str, ...]]] = None,
     local_world_size: Optional[int] = None,
+    exchange_price: Optional[ExchangePrice] = None,
 ) -> Proposal:
     """
     The incremental search on one window's statistics (moves and swaps, then
@@ -384,6 +406,9 @@ def propose(
             types its constraints allow (None or empty: no row splits).
         local_world_size (Optional[int]): ranks per host (for table-row-wise
             splits; None: one host).
+        exchange_price (Optional[ExchangePrice]): the measured figures that
+            price the work outside the kernels a row split changes (None:
+            not priced).
 
     Returns:
         Proposal: the new layouts and the predicted step time.
@@ -437,6 +462,8 @@ def propose(
             byte_price=byte_price,
             move_budget=move_budget,
             local_world_size=local_world_size,
+            volumes={t: (ids[t], samples[t]) for t in allowed},
+            price=exchange_price,
         )
         _take_off(placement, where, ids, lookup_columns, rows.layouts, after, used)
         for key, layout in rows.layouts.items():
@@ -479,7 +506,8 @@ def propose(
     output = row_output_elements(placement, samples)
     before = [b + o for b, o in zip(before, output)]
     after = [a + o for a, o in zip(after, output)]
-    saving = modelled_saving(before, after, seconds_per_element)
+    exchange = rows.exchange_seconds if rows is not None else ()
+    saving = modelled_saving(before, after, seconds_per_element, exchange)
     return Proposal(
         layouts=layouts,
         prediction=predict_step(stats, loads, saving),

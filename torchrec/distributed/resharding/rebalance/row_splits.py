@@ -38,9 +38,14 @@ reduce-scattered), whether its block holds many rows or none; a grid block
 pays it for its own columns only. That per-rank part is what keeps a table
 worth less than a host of ranks whole, and a table of a high pooling
 factor off the whole group (on many ranks it is worth more than the mean
-rank): the search takes a row split only where it cuts the slowest rank
-net of it. The reduce-scatter's own seconds are communication, not kernel
-time: not modelled.
+rank). The work outside the kernels a split changes (``exchange``: every
+rank's bucketization of its ids, the row sharding's collectives, the ids
+each block receives, the reduce-scatter of the pooled output and the
+all-gather of its gradient) is priced at the figures the job measured
+(``price``) on every rank it changes: the search takes a row split only
+where it cuts the slowest rank's kernel plus exchange seconds (ranked by
+the ranks it changes; every other rank's share only bars it); the loads
+it returns hold both.
 
 The same rules as moves and column splits: never over a rank's memory (a
 rank holds its blocks in place of its old shard), the bytes moved (a rank
@@ -59,6 +64,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.exchange import (
+    Blocks,
+    ExchangePrice,
+    ID_BYTES,
+    row_split_seconds,
+)
 from torchrec.distributed.resharding.rebalance.placement import Placement
 from torchrec.distributed.resharding.rebalance.search import LoadHeaps
 from torchrec.distributed.resharding.rebalance.splits import ALIGN
@@ -95,6 +106,9 @@ class RowSplitResult:
             (the window's earlier steps' and the row splits').
         rank_used (Tuple[int, ...]): per rank, bytes of tables it holds
             after.
+        exchange_seconds (Tuple[float, ...]): per rank, the seconds per step
+            of communication the row splits add (in ``loads``; negative:
+            saved).
     """
 
     layouts: Dict[str, TableLayout]
@@ -104,6 +118,7 @@ class RowSplitResult:
     slowest_after: float
     rank_bytes: Tuple[int, ...]
     rank_used: Tuple[int, ...]
+    exchange_seconds: Tuple[float, ...] = ()
 
     @property
     def splits(self) -> int:
@@ -193,6 +208,16 @@ class RowCosts:
 
 
 Grid = List[List[int]]  # per column block, the ranks of its row blocks
+# a row split's outcome (``_RowSplits.outcome``)
+Outcome = Tuple[
+    float,
+    int,
+    Dict[int, float],
+    Dict[int, int],
+    Dict[int, int],
+    float,
+    Dict[int, float],
+]
 
 
 class _RowSplits(LoadHeaps):
@@ -212,6 +237,8 @@ class _RowSplits(LoadHeaps):
         byte_price: float,
         move_budget: Optional[int],
         local_world_size: int,
+        volumes: Mapping[int, Tuple[float, float]],
+        price: ExchangePrice,
     ) -> None:
         super().__init__(loads)
         self.placement = placement
@@ -243,15 +270,55 @@ class _RowSplits(LoadHeaps):
             )
             self.on[rank].add(unit.table)
         self.layouts: Dict[int, Tuple[str, Grid]] = {}
+        self.volumes = volumes
+        self.price = price
+        self.exchange: List[float] = [0.0] * world_size
+
+    def exchange_change(self, t: int, blocks: Blocks) -> Tuple[Dict[int, float], float]:
+        """
+        Seconds per step table ``t`` laid out as ``blocks`` adds to each
+        rank's communication: per rank holding a shard before or after, and
+        for every other rank (none without a price or the table's volumes).
+        """
+        if not self.price.priced or t not in self.volumes:
+            return {}, 0.0
+        layout = self.placement.tables[t].layout
+        ids, samples = self.volumes[t]
+        return row_split_seconds(
+            layout,
+            blocks,
+            self.placement.world_size,
+            ids,
+            samples,
+            self.price,
+        )
+
+    def most_saved(self, t: int, blocks: int) -> float:
+        """
+        The most seconds table ``t`` in ``blocks`` column blocks saves the
+        exchange of a rank that held none of it: the ids it sent to the
+        shards the table had more of.
+        """
+        fewer = len(self.shards[t]) - blocks
+        if fewer <= 0 or t not in self.volumes:
+            return 0.0
+        ids = self.volumes[t][0] / self.placement.world_size
+        return self.price.seconds_per_byte * ids * ID_BYTES * fewer
 
     def outcome(
-        self, t: int, grid: Grid
-    ) -> Optional[Tuple[float, int, Dict[int, float], Dict[int, int], Dict[int, int]]]:
+        self, t: int, grid: Grid, ceiling: float = float("inf")
+    ) -> Optional[Outcome]:
         """
         Table ``t`` laid out as ``grid`` (its column blocks' ranks): (the
         highest load of a rank it changes, the bytes moved, and per rank
         changed its load, its bytes held and its bytes sent plus received
-        after); None where a rank's memory or the move budget refuses it.
+        after, the seconds it adds to every other rank's exchange, and per
+        rank changed the seconds it adds to its exchange); None where a
+        rank's memory or the move budget refuses it, or where a rank that
+        held none of the table reaches ``ceiling`` before the exchange, less
+        the most the exchange can save such a rank (it starts receiving ids
+        and exchanging output; it saves only the ids it no longer sends to
+        shards the table had more of than column blocks it gets).
         """
         table = self.placement.tables[t]
         rows, cols = table.layout.rows, table.layout.cols
@@ -268,9 +335,13 @@ class _RowSplits(LoadHeaps):
             moved[rank] = nbytes  # sent, less what it keeps below
         sent = sum(moved.values())
         width = cols // len(grid)
+        blocks: List[Tuple[Tuple[int, int], List[Tuple[int, int]]]] = []
         for c, ranks in enumerate(grid):
             first = c * width
+            shards: List[Tuple[int, int]] = []
+            blocks.append(((first, width), shards))
             for rank, (_, count) in zip(ranks, row_blocks(rows, len(ranks))):
+                shards.append((rank, count))
                 kept = 0
                 if rank in old:  # its old shard spans every row
                     col, old_width = old[rank]
@@ -283,6 +354,13 @@ class _RowSplits(LoadHeaps):
                 used[rank] = used.get(rank, self.used[rank]) + block
                 moved[rank] = moved.get(rank, 0) - 2 * kept + block
                 sent -= kept
+        saved = self.most_saved(t, len(grid))
+        if any(v - saved >= ceiling for r, v in load.items() if r not in old):
+            return None
+        exchange, others = self.exchange_change(t, blocks)
+        for rank, seconds in exchange.items():
+            load[rank] = load.get(rank, self.load[rank]) + seconds
+        peak = max(load.values())
         budget = self.move_budget
         for rank, value in used.items():
             if value > self.used[rank] and value > self.capacity[rank]:
@@ -291,7 +369,7 @@ class _RowSplits(LoadHeaps):
                 if self.traffic[rank] + moved[rank] > budget:
                     return None
         traffic = {r: self.traffic[r] + v for r, v in moved.items()}
-        return max(load.values()), sent, load, used, traffic
+        return peak, sent, load, used, traffic, others, exchange
 
     def candidates(self, t: int) -> List[Tuple[str, Grid]]:
         """(sharding type, grid) of each row split of ``t`` tried."""
@@ -316,19 +394,39 @@ class _RowSplits(LoadHeaps):
                 out.append((ShardingType.GRID_SHARD.value, grid))
         return out
 
+    def by_load(self, rank: int) -> Tuple[float, int]:
+        """Sorts ranks by load, the highest first (the lowest index among equals)."""
+        return -self.load[rank], rank
+
+    def highest_other(
+        self, order: Sequence[int], changed: Mapping[int, float]
+    ) -> float:
+        """The highest load of a rank outside ``changed`` (``order``: by load)."""
+        for rank in order:
+            if rank not in changed:
+                return self.load[rank]
+        return 0.0
+
     def best(self, s: int, ceiling: float) -> Optional[Tuple[float, int, int, str]]:
         """(score, table, candidate index, type) of the best row split off ``s``."""
         best: Optional[Tuple[float, int, int, str]] = None
+        order: Optional[List[int]] = None
         for t in sorted(self.on[s]):
             if t in self.layouts:
                 continue
             for n, (kind, grid) in enumerate(self.candidates(t)):
-                result = self.outcome(t, grid)
+                result = self.outcome(t, grid, ceiling)
                 if result is None:
                     continue
-                peak, sent = result[0], result[1]
+                peak, sent, others = result[0], result[1], result[5]
+                # ranked by the ranks it changes; the others only bar it
                 score = peak + self.byte_price * sent
-                if peak >= ceiling or score >= ceiling:
+                rest = 0.0
+                if others > 0:  # every other rank's bucketization, collectives
+                    if order is None:
+                        order = sorted(range(len(self.load)), key=self.by_load)
+                    rest = self.highest_other(order, result[2]) + others
+                if max(peak, rest) >= ceiling or score >= ceiling:
                     continue
                 candidate = (score, t, n, kind)
                 if best is None or candidate < best:
@@ -340,11 +438,18 @@ class _RowSplits(LoadHeaps):
         kind, grid = self.candidates(t)[n]
         result = self.outcome(t, grid)
         assert result is not None  # best() found it possible
-        _, _, load, used, traffic = result
+        _, _, load, used, traffic, others, exchange = result
         for rank in sorted(load):
             self.set_load(rank, load[rank])
             self.used[rank] = used[rank]
             self.traffic[rank] = traffic[rank]
+        for rank, seconds in exchange.items():
+            self.exchange[rank] += seconds
+        if others:
+            for rank in range(self.placement.world_size):
+                if rank not in load:
+                    self.set_load(rank, self.load[rank] + others)
+                    self.exchange[rank] += others
         for rank, _, _, _, _ in self.shards[t]:
             self.on[rank].discard(t)
         self.layouts[t] = (kind, [list(ranks) for ranks in grid])
@@ -377,6 +482,8 @@ def search_row_splits(
     local_world_size: Optional[int] = None,
     min_cut: float = 0.005,
     max_splits: Optional[int] = None,
+    volumes: Optional[Mapping[int, Tuple[float, float]]] = None,
+    price: Optional[ExchangePrice] = None,
 ) -> RowSplitResult:
     """
     Spreads hot tables by rows (over one host's ranks, the whole group, or
@@ -410,6 +517,11 @@ def search_row_splits(
             must make.
         max_splits (Optional[int]): the most tables split (default: one per
             host, at least one).
+        volumes (Optional[Mapping[int, Tuple[float, float]]]): per table
+            index, its ids and samples per step over all ranks (for the
+            exchange's bytes; a table without them is priced no exchange).
+        price (Optional[ExchangePrice]): the measured figures that price
+            the work outside the kernels a split adds (None: not priced).
 
     Returns:
         RowSplitResult: the split tables' layouts and the loads after.
@@ -439,6 +551,8 @@ def search_row_splits(
         byte_price,
         move_budget,
         lws,
+        volumes or {},
+        price or ExchangePrice(),
     )
     before = max(loads, default=0.0)
     if loads and before > 0:
@@ -460,4 +574,5 @@ def search_row_splits(
         slowest_after=max(state.load, default=0.0),
         rank_bytes=tuple(state.traffic),
         rank_used=tuple(state.used),
+        exchange_seconds=tuple(state.exchange),
     )
