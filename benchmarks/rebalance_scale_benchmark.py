@@ -57,8 +57,25 @@ rank's kernel time relative to the split bound (the mean rank, what
 splitting could reach at best): the whole-shard bound (the mean rank or
 the costliest whole table), the column bound (the costliest table cut in
 4-column shards), the static placement, the rebalancer's moves only and
-its moves with splits after ``--windows`` windows, the shards after, and
-the decision's CPU time per window with splits (median, max).
+its moves with (column) splits and with row splits too (``+rows``: a table
+may become row-wise over the group, table-row-wise over a host of
+``--local-world-size`` ranks, or a grid of column blocks each over a host;
+the reference model charges every rank of a row-wise table the pooled
+output of its columns, ``samples x cols`` elements)
+after ``--windows`` windows, the shards after, and the decision's CPU time
+per window with splits and with row splits (median, max).
+
+Issue 35: every column of the ``--zipf`` table is the slowest rank's kernel
+plus exchange seconds: each rank's bytes per step of every table
+(``exchange.table_exchange``: ids in, pooled output out, gradients back;
+row groups reduce-scatter the output) at ``--seconds-per-byte``, and for
+a row-wise, table-row-wise or grid table every rank's bucketization of its
+ids at ``--seconds-per-id`` and the row sharding's collectives at
+``--collective-seconds`` each. ASSUMED figures for a datacenter network of
+GPUs (printed with the table): 100 Gb/s per rank (8e-11 s per byte), 30 us
+per collective, 0.1 ns per id bucketized. ``+rows`` is the row split search
+priced at nothing (kernels alone, as before issue 35), ``priced`` the same
+search given those figures (what a job's calibration measures).
 
     python benchmarks/rebalance_scale_benchmark.py            # every case
     python benchmarks/rebalance_scale_benchmark.py --worlds 64 --tables 100
@@ -66,6 +83,7 @@ the decision's CPU time per window with splits (median, max).
 """
 
 import argparse
+import dataclasses
 import gc
 import heapq
 import random
@@ -86,6 +104,7 @@ FIXED_S = 0.0005
 SLOPE_S = 2.0e-10  # seconds per element read (reference model)
 NOISE = 0.02
 TRACES = ("rotating", "growing", "new-hot")
+ROW_TYPES = ("row_wise", "table_row_wise", "grid_shard")
 
 
 @dataclass
@@ -145,12 +164,45 @@ def pooling(trace: str, t: int, window: int, per_phase: int, seed: int) -> List[
     return hot
 
 
+def exchange_seconds(placement: Any, ids: Sequence[float], price: Any) -> List[float]:
+    """
+    Per rank, seconds per step of its exchange under the reference model:
+    every table's bytes, and each row-spread table's bucketization and
+    collectives.
+    """
+    from torchrec.distributed.resharding.rebalance.exchange import (
+        row_blocks_spread,
+        ROW_COLLECTIVES,
+        table_exchange,
+    )
+
+    w = placement.world_size
+    samples = LOCAL_BATCH * w
+    every = 0.0
+    out = [0.0] * w
+    for table, n in zip(placement.tables, ids):
+        exchange = table_exchange(table.layout, w, n, samples)
+        spread = row_blocks_spread(table.layout)
+        every += exchange.others * price.seconds_per_byte
+        if spread:
+            every += price.seconds_per_id * n / w * spread
+            every += price.seconds_per_collective * ROW_COLLECTIVES
+        for rank, value in exchange.holders.items():
+            out[rank] += (value - exchange.others) * price.seconds_per_byte
+    return [every + v for v in out]
+
+
 def true_kernels(
     placement: Any, ids: Sequence[float], noise: Optional[random.Random]
 ) -> List[float]:
     from torchrec.distributed.resharding.rebalance.costs import rank_elements
 
     elements = rank_elements(placement.units, ids, placement.world_size)
+    samples = LOCAL_BATCH * placement.world_size  # per table: one feature
+    for unit in placement.units:  # a row-wise shard's pooled output
+        table = placement.tables[unit.table]
+        if table.sharding_type in ROW_TYPES:
+            elements[unit.rank] += samples * table.layout.shards[unit.shard].rect.cols
     out = []
     for e in elements:
         k = FIXED_S + SLOPE_S * e
@@ -426,14 +478,23 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
     from torchrec.distributed.resharding.rebalance.costs import (
         calibrate,
         propose,
-        rank_elements,
-        table_ids,
         unit_costs,
+        window_elements,
     )
+    from torchrec.distributed.resharding.rebalance.exchange import ExchangePrice
     from torchrec.distributed.resharding.rebalance.placement import (
         placement_from_tables,
     )
     from torchrec.distributed.resharding.rebalance.splits import ALIGN
+
+    price = ExchangePrice(
+        args.seconds_per_byte, args.collective_seconds, args.seconds_per_id
+    )
+
+    def step_seconds(placement: Any) -> List[float]:
+        kernels = true_kernels(placement, ids, None)
+        exchange = exchange_seconds(placement, ids, price)
+        return [k + e for k, e in zip(kernels, exchange)]
 
     rng = random.Random(args.seed * 1000 + w + t)
     placement = placement_from_tables(zipf_tables(rng, t), w)
@@ -455,18 +516,33 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         "split_bound_s": split_bound,
         "whole_bound_s": whole_bound,
         "column_bound_s": column_bound,
-        "static_s": max(true_kernels(static, ids, None)),
+        "static_s": max(step_seconds(static)),
+        "static_kernel_s": max(true_kernels(static, ids, None)),
     }
     noise = random.Random(args.seed)
     splittable = {tb.key for tb in static.tables}
-    for name, splits in (("moves", False), ("splits", True)):
+    rows = {tb.key: ROW_TYPES for tb in static.tables}
+    for name, splits, row_splits, priced in (
+        ("moves", False, False, False),
+        ("splits", True, False, False),
+        ("rows", True, True, False),
+        ("priced", True, True, True),
+    ):
         placement, slope = static, None
         cpu_ms: List[float] = []
         for _ in range(args.windows):
             stats = window_stats(placement, ids, noise)
+            # the measured step holds the slowest rank's exchange too
+            step = DENSE_S + max(
+                k + e
+                for k, e in zip(
+                    stats.compute_seconds, exchange_seconds(placement, ids, price)
+                )
+            )
+            stats = dataclasses.replace(stats, step_seconds=(step,) * w)
             gc.collect()
             cpu = time.thread_time()
-            elements = rank_elements(placement.units, table_ids(stats, placement), w)
+            elements = window_elements(stats, placement)
             slope = calibrate(stats.compute_seconds, elements, slope)
             assert slope is not None
             proposal = propose(
@@ -477,39 +553,67 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
                 0.0,
                 None,
                 splittable if splits else None,
+                row_splittable=rows if row_splits else None,
+                local_world_size=args.local_world_size,
+                exchange_price=price if priced else None,
             )
             cpu_ms.append(1e3 * (time.thread_time() - cpu))
             if not proposal.layouts or proposal.prediction.gain < 0.01:
                 break
             placement = with_split_layouts(placement, proposal)
-        out[f"{name}_s"] = max(true_kernels(placement, ids, None))
+        kernels = step_seconds(placement)
+        out[f"{name}_s"] = max(kernels)
+        out[f"{name}_kernel_s"] = max(true_kernels(placement, ids, None))
+        out[f"{name}_mean_s"] = sum(kernels) / w
         out[f"{name}_cpu_ms"] = cpu_ms
         out[f"{name}_shards"] = len(placement.units)
+        out[f"{name}_row_wise"] = sum(
+            tb.sharding_type in ROW_TYPES for tb in placement.tables
+        )
     return out
 
 
-def zipf_table(rows: Sequence[Dict[str, Any]]) -> str:
+def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
         f"{'W':>5} {'T':>5} {'zipf':>5} {'whole LB':>9} {'column LB':>9} "
-        f"{'static':>8} {'moves':>8} {'+splits':>8} {'shards':>11} "
-        f"{'cpu ms med':>10} {'max':>6}"
+        f"{'static':>11} {'moves':>11} {'+splits':>11} {'+rows':>11} {'priced':>11} "
+        f"{'shards':>11} {'+rows':>11} {'priced':>11} {'row/grid':>8} {'priced':>7} "
+        f"{'cpu ms med':>10} {'max':>6} {'+rows med':>9} {'max':>6} "
+        f"{'priced med':>10} {'max':>6}"
     )
     lines = [
-        "slowest rank's kernel time / split bound (the mean rank); shards: "
-        "before -> after splits; cpu ms: the decision per window with splits",
+        "slowest rank's kernel seconds / split bound (the mean rank's "
+        "kernel), then its kernel + exchange seconds / split bound; +splits: moves and column splits, +rows: and row "
+        "splits searched on kernels alone (a row-wise table's ranks each pay "
+        "its pooled output), priced: row splits searched with the exchange "
+        "priced; shards: before -> after; row/grid: tables made row-wise, "
+        "table-row-wise or grid; cpu ms: the decision per window",
+        f"exchange (ASSUMED, a datacenter network of GPUs): "
+        f"{args.seconds_per_byte:.3g} s/byte ({8e-9 / args.seconds_per_byte:.0f} "
+        f"Gb/s per rank), {args.collective_seconds * 1e6:.0f} us per collective, "
+        f"{args.seconds_per_id * 1e9:.2f} ns per id bucketized",
         head,
         "-" * len(head),
     ]
     for r in rows:
         b = r["split_bound_s"]
-        cpu = r["splits_cpu_ms"]
+        cpus = [r[f"{n}_cpu_ms"] for n in ("splits", "rows", "priced")]
         lines.append(
             f"{r['world']:>5} {r['tables']:>5} {r['zipf']:>5.2f} "
             f"{r['whole_bound_s'] / b:>9.2f} {r['column_bound_s'] / b:>9.2f} "
-            f"{r['static_s'] / b:>8.2f} {r['moves_s'] / b:>8.2f} "
-            f"{r['splits_s'] / b:>8.2f} "
+            + " ".join(
+                f"{r[n + '_kernel_s'] / b:>5.2f}/{r[n + '_s'] / b:<5.2f}"
+                for n in ("static", "moves", "splits", "rows", "priced")
+            )
+            + " "
             f"{str(r['tables']) + '->' + str(r['splits_shards']):>11} "
-            f"{statistics.median(cpu):>10.1f} {max(cpu):>6.1f}"
+            f"{str(r['tables']) + '->' + str(r['rows_shards']):>11} "
+            f"{str(r['tables']) + '->' + str(r['priced_shards']):>11} "
+            f"{r['rows_row_wise']:>8} {r['priced_row_wise']:>7} "
+            + " ".join(
+                f"{statistics.median(c):>{w1}.1f} {max(c):>6.1f}"
+                for c, w1 in zip(cpus, (10, 9, 10))
+            )
         )
     return "\n".join(lines)
 
@@ -519,12 +623,17 @@ def zipf_main(args: argparse.Namespace) -> None:
     for w in args.worlds:
         for t in args.tables:
             rows.append(run_zipf_case(w, t, args))
-            print(zipf_table(rows[-1:]).splitlines()[-1], flush=True)
-    text = zipf_table(rows)
+            print(zipf_table(rows[-1:], args).splitlines()[-1], flush=True)
+    text = zipf_table(rows, args)
     print()
     print(text)
-    worst = max(max(r["splits_cpu_ms"]) for r in rows)
-    print(f"worst decision per window (CPU, with splits): {worst:.1f} ms")
+    for name, what in (
+        ("splits", "with splits"),
+        ("rows", "with row splits"),
+        ("priced", "with priced row splits"),
+    ):
+        worst = max(max(r[f"{name}_cpu_ms"]) for r in rows)
+        print(f"worst decision per window (CPU, {what}): {worst:.1f} ms")
     stem = save_results(
         args.out_dir, NAME + "_zipf", {"args": vars(args), "cases": rows}
     )
@@ -629,10 +738,35 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--bandwidth", type=float, default=10e9, help="bytes/s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--local-world-size",
+        type=int,
+        default=8,
+        help="ranks per host (--zipf: the hosts of table-row-wise splits)",
+    )
+    p.add_argument(
         "--zipf",
         type=float,
         default=None,
         help="run the split cases on a Zipf load of this exponent (>= 1)",
+    )
+    p.add_argument(
+        "--seconds-per-byte",
+        type=float,
+        default=8e-11,
+        help="--zipf: ASSUMED seconds per byte a rank sends or receives "
+        "(default: 100 Gb/s)",
+    )
+    p.add_argument(
+        "--collective-seconds",
+        type=float,
+        default=30e-6,
+        help="--zipf: ASSUMED seconds of a collective however small",
+    )
+    p.add_argument(
+        "--seconds-per-id",
+        type=float,
+        default=1e-10,
+        help="--zipf: ASSUMED seconds to bucketize one id by row block",
     )
     args = p.parse_args(argv)
     args.worlds = [int(x) for x in args.worlds.split(",")]

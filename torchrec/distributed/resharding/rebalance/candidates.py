@@ -45,7 +45,7 @@ class Candidate:
 
     Args:
         source (str): ``SEARCH`` (moves and swaps of whole shards),
-            ``SPLITS`` (the search's moves and its splits) or
+            ``SPLITS`` (the search's moves and its column or row splits) or
             ``FULL_REPLAN``.
         plan (Optional[ShardingPlan]): the whole plan; None when it changes
             nothing.
@@ -165,7 +165,7 @@ def search_candidate(
             prediction.measured_kernels,
             (search.mean_load,),
         ).gain
-    split = proposal.splits is not None and bool(proposal.splits.layouts)
+    split = proposal.split
     layouts: Mapping[str, TableLayout] = proposal.layouts
     candidate_plan = (
         plan_with_layouts(plan, placement, layouts, device_of, proposal.sharding_types)

@@ -33,22 +33,46 @@ time a move leaves.
   calibrated by ``benchmarks/shard_cost_benchmark.py``). Moving a shard
   moves it with the shard; a split pays it once more (each column-wise
   shard reads every id of its table), a merge saves it.
-* ``propose`` runs the incremental search on one window's statistics, and
-  then, for the tables it may split, the split search on the moves' result.
+* ``propose`` runs the incremental search on one window's statistics; then,
+  for the tables it may spread by rows whose narrowest column shard alone
+  is worth more than the mean rank (what column splits cannot fix), the
+  row split search (``row_splits``): a row block reads its share of the ids
+  (and of their fixed cost), and every rank of a row-wise table pays the
+  pooled output of every sample (``samples x cols`` elements per rank; a
+  grid block's own columns), and the communication a row split changes
+  (``exchange``: every rank's bucketization of its ids, the row sharding's
+  collectives, ids in, the pooled output's reduce-scatter, its gradient's
+  all-gather) costs what the job measured (``ExchangePrice``) on each rank
+  it changes ( the prediction's per-rank seconds then
+  hold kernel and exchange, and the saving is that of the slowest rank's
+  sum); then, for the tables it may split, the column split search on what
+  is left.
 """
 
 from dataclasses import dataclass, field
-from typing import AbstractSet, Dict, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
+from torchrec.distributed.resharding.rebalance.exchange import ExchangePrice
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
     ShardUnit,
 )
+from torchrec.distributed.resharding.rebalance.row_splits import (
+    ROW_SPLITTABLE_TYPES,
+    ROW_TYPES,
+    RowCosts,
+    RowSplitResult,
+    search_row_splits,
+)
 from torchrec.distributed.resharding.rebalance.search import search_moves, SearchResult
-from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
+from torchrec.distributed.resharding.rebalance.splits import (
+    ALIGN,
+    search_splits,
+    SplitResult,
+)
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 
 # Ranks' elements must spread this much (relative to their mean) for a fit
@@ -117,6 +141,8 @@ class Proposal:
             (the tables split).
         splits (Optional[SplitResult]): the split search's result, None when
             it did not run.
+        row_splits (Optional[RowSplitResult]): the row split search's
+            result, None when it did not run.
     """
 
     layouts: Dict[str, TableLayout]
@@ -124,12 +150,97 @@ class Proposal:
     search: Optional[SearchResult] = None
     sharding_types: Dict[str, str] = field(default_factory=dict)
     splits: Optional[SplitResult] = None
+    row_splits: Optional[RowSplitResult] = None
+
+    @property
+    def split(self) -> bool:
+        """Whether a table was cut (by columns or by rows), not only moved."""
+        return any(
+            result is not None and bool(result.layouts)
+            for result in (self.splits, self.row_splits)
+        )
 
 
 def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
     """Per table of the placement, ids per step over all ranks (0 if unseen)."""
     ids = {table_key(t.path, t.table): t.ids_per_step for t in stats.tables}
     return [ids.get(t.key, 0.0) for t in placement.tables]
+
+
+def table_samples(stats: LoadStatistics, placement: Placement) -> List[float]:
+    """
+    Per table of the placement, samples (bags of its features) per step over
+    all ranks (0 if unseen).
+    """
+    world_size = placement.world_size
+    samples = {
+        table_key(t.path, t.table): sum(t.samples_per_rank_step) * world_size
+        for t in stats.tables
+    }
+    return [samples.get(t.key, 0.0) for t in placement.tables]
+
+
+def row_split_costs(
+    placement: Placement,
+    ids: Sequence[float],
+    samples: Sequence[float],
+    seconds_per_element: float,
+    lookup_columns: float = 0.0,
+) -> Dict[int, RowCosts]:
+    """Per table of the placement, what its row blocks cost (seconds per step)."""
+    return {
+        t: RowCosts(
+            ids[t] * seconds_per_element,
+            lookup_columns,
+            samples[t] * seconds_per_element,
+        )
+        for t in range(len(placement.tables))
+    }
+
+
+def row_output_elements(placement: Placement, samples: Sequence[float]) -> List[float]:
+    """
+    Per rank, elements per step of the pooled output of the row-wise,
+    table-row-wise and grid shards it holds (``samples x cols`` each).
+    """
+    out = [0.0] * placement.world_size
+    for unit in placement.units:
+        table = placement.tables[unit.table]
+        if table.sharding_type in ROW_TYPES:
+            cols = table.layout.shards[unit.shard].rect.cols
+            out[unit.rank] += samples[unit.table] * cols
+    return out
+
+
+def window_elements(
+    stats: LoadStatistics, placement: Placement, lookup_columns: float = 0.0
+) -> List[float]:
+    """
+    Per rank, the elements its shards read per step in a window (their fixed
+    cost per id included) and those the row-wise ones write (their pooled
+    output): what its kernel seconds are fitted against (``calibrate``).
+    """
+    ids = table_ids(stats, placement)
+    elements = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
+    output = row_output_elements(placement, table_samples(stats, placement))
+    return [e + o for e, o in zip(elements, output)]
+
+
+def row_block_elements(
+    layout: TableLayout, ids: float, samples: float, lookup_columns: float = 0.0
+) -> List[Tuple[int, float]]:
+    """
+    (rank, elements per step) of each block of a row-wise, table-row-wise or
+    grid layout: its share of the ids, and the pooled output of its columns.
+    """
+    return [
+        (
+            s.rank,
+            ids * s.rect.rows / layout.rows * (s.rect.cols + lookup_columns)
+            + samples * s.rect.cols,
+        )
+        for s in layout.shards
+    ]
 
 
 def unit_elements(unit: ShardUnit, lookup_columns: float = 0.0) -> float:
@@ -240,10 +351,24 @@ def predict_step(
 
 
 def modelled_saving(
-    before: Sequence[float], after: Sequence[float], seconds_per_element: float
+    before: Sequence[float],
+    after: Sequence[float],
+    seconds_per_element: float,
+    exchange: Sequence[float] = (),
 ) -> float:
-    """The cut of the busiest rank's elements (per rank, before and after), in seconds."""
-    return seconds_per_element * (max(before, default=0.0) - max(after, default=0.0))
+    """
+    The cut of the busiest rank's elements (per rank, before and after), in
+    seconds; with ``exchange`` (per rank, the seconds of communication the
+    change adds), of the busiest rank's elements' and exchange seconds.
+    """
+    if not exchange:
+        return seconds_per_element * (
+            max(before, default=0.0) - max(after, default=0.0)
+        )
+    busiest = max(
+        (seconds_per_element * a + e for a, e in zip(after, exchange)), default=0.0
+    )
+    return seconds_per_element * max(before, default=0.0) - busiest
 
 
 def propose(
@@ -255,10 +380,15 @@ def propose(
     move_budget: Optional[int] = None,
     splittable: Optional[AbstractSet[str]] = None,
     lookup_columns: float = 0.0,
+    row_splittable: Optional[Mapping[str, Tuple[str, ...]]] = None,
+    local_world_size: Optional[int] = None,
+    exchange_price: Optional[ExchangePrice] = None,
 ) -> Proposal:
     """
     The incremental search on one window's statistics (moves and swaps, then
-    splits of the ``splittable`` tables).
+    row splits of the ``row_splittable`` tables the moves left as they are
+    and column splits cannot fix, then column splits of the ``splittable``
+    ones not split by rows).
 
     Args:
         stats (LoadStatistics): the window (identical on every rank).
@@ -271,11 +401,20 @@ def propose(
         splittable (Optional[AbstractSet[str]]): keys of the tables whose
             shards may be split (None or empty: no splits).
         lookup_columns (float): a shard's fixed cost per id, in columns.
+        row_splittable (Optional[Mapping[str, Tuple[str, ...]]]): keys of the
+            tables that may be spread by rows, each with the row sharding
+            types its constraints allow (None or empty: no row splits).
+        local_world_size (Optional[int]): ranks per host (for table-row-wise
+            splits; None: one host).
+        exchange_price (Optional[ExchangePrice]): the measured figures that
+            price the work outside the kernels a row split changes (None:
+            not priced).
 
     Returns:
         Proposal: the new layouts and the predicted step time.
     """
     ids = table_ids(stats, placement)
+    samples = table_samples(stats, placement)
     costs = unit_costs(placement.units, ids, seconds_per_element, lookup_columns)
     result = search_moves(
         stats.compute_seconds,
@@ -287,45 +426,141 @@ def propose(
     )
     layouts = moved_layouts(placement, result.moves)
     loads: Sequence[float] = result.loads
+    traffic: Sequence[int] = result.rank_bytes
     types: Dict[str, str] = {}
     split: Optional[SplitResult] = None
     where = [u.rank for u in placement.units]
     for index, rank in result.moves:
         where[index] = rank
     after = [0.0] * placement.world_size
+    used = [0] * placement.world_size
     for unit, rank in zip(placement.units, where):
         after[rank] += ids[unit.table] * unit_elements(unit, lookup_columns)
+        used[rank] += unit.nbytes
+    index = {t.key: i for i, t in enumerate(placement.tables)}
+    rows: Optional[RowSplitResult] = None
+    allowed = _column_bound(
+        placement,
+        row_splittable or {},
+        set(layouts),
+        [n * seconds_per_element * (ALIGN + lookup_columns) for n in ids],
+        sum(loads) / max(len(loads), 1),
+    )
+    if allowed:
+        rows = search_row_splits(
+            placement,
+            loads,
+            costs,
+            capacity,
+            row_split_costs(
+                placement, ids, samples, seconds_per_element, lookup_columns
+            ),
+            allowed,
+            where=where,
+            used=used,
+            traffic=traffic,
+            byte_price=byte_price,
+            move_budget=move_budget,
+            local_world_size=local_world_size,
+            volumes={t: (ids[t], samples[t]) for t in allowed},
+            price=exchange_price,
+        )
+        _take_off(placement, where, ids, lookup_columns, rows.layouts, after, used)
+        for key, layout in rows.layouts.items():
+            t = index[key]
+            for rank, elements in row_block_elements(
+                layout, ids[t], samples[t], lookup_columns
+            ):
+                after[rank] += elements
+        layouts.update(rows.layouts)
+        types.update(rows.sharding_types)
+        loads, traffic, used = rows.loads, rows.rank_bytes, list(rows.rank_used)
+    if splittable and rows is not None:
+        splittable = {key for key in splittable if key not in rows.layouts}
     if splittable:
         split = search_splits(
             placement,
-            result.loads,
+            loads,
             costs,
             capacity,
             splittable,
             byte_price=byte_price,
             move_budget=move_budget,
-            traffic=result.rank_bytes,
+            traffic=traffic,
             where=where,
             fixed=[n * lookup_columns * seconds_per_element for n in ids],
+            used=used,
         )
-        index = {t.key: i for i, t in enumerate(placement.tables)}
-        split_tables = {index[key] for key in split.layouts}
-        for i, unit in enumerate(placement.units):  # split: before, less
-            if unit.table in split_tables:
-                after[where[i]] -= ids[unit.table] * unit_elements(unit, lookup_columns)
+        _take_off(placement, where, ids, lookup_columns, split.layouts, after, used)
         for key, layout in split.layouts.items():  # and after (every row)
             for shard in layout.shards:
                 after[shard.rank] += ids[index[key]] * (
                     shard.rect.cols + lookup_columns
                 )
         layouts.update(split.layouts)
-        types, loads = dict(split.sharding_types), split.loads
+        types.update(split.sharding_types)
+        loads = split.loads
     before = rank_elements(placement.units, ids, placement.world_size, lookup_columns)
-    saving = modelled_saving(before, after, seconds_per_element)
+    # the pooled output of the tables already row-wise, which nothing here
+    # changes: the busiest rank in elements is the busiest rank
+    output = row_output_elements(placement, samples)
+    before = [b + o for b, o in zip(before, output)]
+    after = [a + o for a, o in zip(after, output)]
+    exchange = rows.exchange_seconds if rows is not None else ()
+    saving = modelled_saving(before, after, seconds_per_element, exchange)
     return Proposal(
         layouts=layouts,
         prediction=predict_step(stats, loads, saving),
         search=result,
         sharding_types=types,
         splits=split,
+        row_splits=rows,
     )
+
+
+def _column_bound(
+    placement: Placement,
+    row_splittable: Mapping[str, Tuple[str, ...]],
+    changed: AbstractSet[str],
+    narrowest: Sequence[float],
+    mean: float,
+) -> Dict[int, Tuple[str, ...]]:
+    """
+    The tables the row split search may spread, by index, with the row
+    sharding types allowed: those of ``row_splittable`` the moves left as
+    they are, of a type it can split, whose narrowest column shard
+    (``narrowest``, per table: ``ALIGN`` columns reading every id) alone
+    costs more than the mean rank (what column splits cannot fix).
+    """
+    index = {t.key: i for i, t in enumerate(placement.tables)}
+    out = {}
+    for key, kinds in sorted(row_splittable.items()):
+        t = index[key]
+        table = placement.tables[t]
+        if (
+            key not in changed
+            and table.sharding_type in ROW_SPLITTABLE_TYPES
+            and not table.layout.replicated
+            and narrowest[t] > mean
+        ):
+            out[t] = kinds
+    return out
+
+
+def _take_off(
+    placement: Placement,
+    where: Sequence[int],
+    ids: Sequence[float],
+    lookup_columns: float,
+    layouts: Mapping[str, TableLayout],
+    elements: List[float],
+    used: List[int],
+) -> None:
+    """Takes the shards of the tables of ``layouts`` off the ranks' elements and bytes."""
+    if not layouts:
+        return
+    tables = {t for t, table in enumerate(placement.tables) if table.key in layouts}
+    for unit, rank in zip(placement.units, where):
+        if unit.table in tables:
+            elements[rank] -= ids[unit.table] * unit_elements(unit, lookup_columns)
+            used[rank] -= unit.nbytes

@@ -36,7 +36,8 @@ class RebalanceDecision:
             and step.
         step_seconds (float): measured step time of the window.
         predicted_kernel_seconds (Tuple[float, ...]): per rank, predicted
-            under the candidate.
+            under the candidate (with the exchange seconds its row splits
+            add).
         predicted_step_seconds (Optional[float]): predicted step time under
             the candidate.
         predicted_gain (float): predicted relative cut of the step time.
@@ -49,6 +50,9 @@ class RebalanceDecision:
         search_seconds (float): this rank's seconds to reach the candidate.
         plan (Optional[ShardingPlan]): the plan resharded to.
         reshard_seconds (Optional[float]): the reshard's seconds (this rank).
+        exchange_seconds (Tuple[float, ...]): per rank, the seconds per step
+            of communication the candidate's row splits add (priced at the
+            measured seconds per byte; empty: none priced).
     """
 
     step: int
@@ -69,6 +73,7 @@ class RebalanceDecision:
     search_seconds: float = field(default=0.0, compare=False)
     plan: Optional[ShardingPlan] = field(default=None, compare=False, repr=False)
     reshard_seconds: Optional[float] = field(default=None, compare=False)
+    exchange_seconds: Tuple[float, ...] = ()
 
     def line(self) -> str:
         """The decision as one log line."""
@@ -86,6 +91,11 @@ class RebalanceDecision:
                 f" ms (gain {self.predicted_gain:.1%}), slowest rank "
                 f"{1e3 * max(self.predicted_kernel_seconds, default=0.0):.1f} ms, "
                 f"decided in {self.search_seconds * 1e3:.1f} ms"
+            )
+        if any(self.exchange_seconds):
+            parts.append(
+                "row split exchange ms/step per rank "
+                + "/".join(f"{1e3 * s:+.2f}" for s in self.exchange_seconds)
             )
         if self.max_rank_bytes is not None:
             parts.append(

@@ -32,18 +32,28 @@ it through the engine's agreement before they consider it. A reshard that
 fails or aborts leaves the model on its old plan and backs the policy off;
 nothing else in the model changes. ``history`` keeps every decision and
 ``outcomes`` every reshard's predicted against its measured step time.
+With ``split_shards``, the first search also measures, on every rank at the
+same point, what a row split adds outside the kernels
+(``measure_exchange_price``: an all-to-all of the group, small and large,
+and TorchRec's bucketization of ids by row block; the slowest rank's
+figures): a row split is then taken only where the slowest rank's kernel
+plus priced exchange seconds fall.
 """
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+import torch
 import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 from torchrec.distributed.planner import Topology
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.resharding.agreement import agree_among_ranks
+from torchrec.distributed.resharding.devices import synchronize_device
 from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.model import dry_run
 from torchrec.distributed.resharding.model_view import (
@@ -75,10 +85,15 @@ from torchrec.distributed.resharding.rebalance.costs import (
     rank_elements,
     StepPrediction,
     table_ids,
+    window_elements,
 )
 from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
     RebalanceDecision,
     ReshardOutcome,
+)
+from torchrec.distributed.resharding.rebalance.exchange import (
+    exchange_price_of,
+    ExchangePrice,
 )
 from torchrec.distributed.resharding.rebalance.monitor import LoadMonitor
 from torchrec.distributed.resharding.rebalance.options import (
@@ -112,6 +127,7 @@ from torchrec.distributed.resharding.rebalance.replan import (
     ThreadReplanner,
 )
 from torchrec.distributed.resharding.rebalance.replan_process import ProcessReplanner
+from torchrec.distributed.resharding.rebalance.row_splits import ROW_TYPES
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.resharding.transaction_report import TransactionReport
 from torchrec.distributed.resharding.whole_plan import (
@@ -126,8 +142,15 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 from torchrec.modules.embedding_configs import data_type_to_dtype
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 logger: logging.Logger = logging.getLogger(__name__)
+
+# The calibration of what a row split adds outside the kernels: bytes of one
+# rank's input to the large all-to-all (and of the ids bucketized), and
+# timed repeats of each.
+EXCHANGE_CALIBRATION_BYTES: int = 4 * 2**20
+EXCHANGE_CALIBRATION_REPEATS: int = 3
 
 Delta = Dict[str, Dict[str, ParameterSharding]]
 
@@ -270,6 +293,7 @@ class Rebalancer:
         self._replan_digest: int = 0
         self._state: PolicyState = PolicyState()
         self._seconds_per_element: Optional[float] = None
+        self._exchange_price: Optional[ExchangePrice] = None
         self._step: int = 0
         self._pending: Optional[RebalanceDecision] = None
         self.history: List[RebalanceDecision] = []
@@ -278,6 +302,15 @@ class Rebalancer:
     @property
     def state(self) -> PolicyState:
         return self._state
+
+    @property
+    def exchange_price(self) -> Optional[ExchangePrice]:
+        """
+        What the work outside the kernels that a row split adds costs,
+        measured before the first search that may split tables by rows
+        (None before it).
+        """
+        return self._exchange_price
 
     @property
     def monitor(self) -> LoadMonitor:
@@ -349,7 +382,10 @@ class Rebalancer:
 
     def _state_digest(self, view: _ModelView) -> float:
         """What this rank decides from, as a float the all-reduce keeps exact."""
-        text = f"{view.digest}|{self._state}|{self._seconds_per_element!r}"
+        text = (
+            f"{view.digest}|{self._state}|{self._seconds_per_element!r}|"
+            f"{self._exchange_price!r}"
+        )
         return float(text_digest(text + "|" + self._settings) >> 11)
 
     def _device_of(self, rank: int) -> str:
@@ -384,7 +420,7 @@ class Rebalancer:
             )
         ids = table_ids(stats, view.placement)
         lookup = self.policy.shard_lookup_columns()
-        elements = rank_elements(view.placement.units, ids, self._world_size, lookup)
+        elements = window_elements(stats, view.placement, lookup)
         slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
         self._seconds_per_element = slope
         if stats.extra[0][1] > 0:  # group rank 0's full replan is ready
@@ -415,6 +451,11 @@ class Rebalancer:
         slope: float,
         decision: RebalanceDecision,
     ) -> RebalanceDecision:
+        split = self.policy.split_shards
+        if split and self._exchange_price is None:  # every rank, same window
+            self._exchange_price = measure_exchange_price(self._pg, self._model.device)
+            if self._rank == 0:
+                logger.info("rebalance: row split prices %s", self._exchange_price)
         start = time.perf_counter()
         proposal = propose(
             stats,
@@ -425,6 +466,9 @@ class Rebalancer:
             self.policy.move_budget_bytes,
             self._splittable(view) if self.policy.split_shards else None,
             self.policy.shard_lookup_columns(),
+            self._row_splittable(view) if split else None,
+            self._topology.local_world_size,
+            self._exchange_price,
         )
         candidate = search_candidate(
             proposal,
@@ -433,6 +477,9 @@ class Rebalancer:
             self._device_of,
             time.perf_counter() - start,
         )
+        if proposal.row_splits is not None and proposal.row_splits.layouts:
+            exchange = proposal.row_splits.exchange_seconds
+            decision = replace(decision, exchange_seconds=exchange)
         return self._judge(candidate, stats, decision)
 
     def _judge(
@@ -478,6 +525,17 @@ class Rebalancer:
             types = None if constraint is None else constraint.sharding_types
             if types is None or column_wise in types:
                 out.add(table.key)
+        return out
+
+    def _row_splittable(self, view: _ModelView) -> Dict[str, Tuple[str, ...]]:
+        """Per table key, the row sharding types the user's constraints allow."""
+        out = {}
+        for table in view.placement.tables:
+            constraint = self._constraints.get(table.name)
+            types = None if constraint is None else constraint.sharding_types
+            allowed = tuple(t for t in ROW_TYPES if types is None or t in types)
+            if allowed:
+                out[table.key] = allowed
         return out
 
     def _with_prediction(
@@ -689,6 +747,84 @@ class Rebalancer:
                 outcome.error * 100,
                 outcome.step_seconds_before * 1e3,
             )
+
+
+def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The median seconds of ``repeats`` runs after one warm-up."""
+    seconds = []
+    for i in range(repeats + 1):
+        synchronize_device(device)
+        start = time.perf_counter()
+        run()
+        synchronize_device(device)
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def measure_exchange_price(
+    pg: dist.ProcessGroup,
+    device: torch.device,
+    nbytes: int = EXCHANGE_CALIBRATION_BYTES,
+    repeats: int = EXCHANGE_CALIBRATION_REPEATS,
+) -> ExchangePrice:
+    """
+    What the work outside the kernels that a row split adds costs on this
+    job: an all-to-all of the group (the collective of a row-wise table's
+    ids) of one value per rank and of ``nbytes`` per rank (its latency and
+    its seconds per byte), and TorchRec's bucketization by row block of
+    ``nbytes / 8`` ids (``bucketize_kjt_before_all2all``), each the median
+    of ``repeats`` after a warm-up, the slowest rank's (all-reduced, so
+    every rank prices alike). Every rank of the group calls it at the same
+    point, between steps.
+
+    Args:
+        pg (dist.ProcessGroup): the model's process group.
+        device (torch.device): the model's device.
+        nbytes (int): bytes of each rank's input to the large exchange.
+        repeats (int): timed runs of each.
+
+    Returns:
+        ExchangePrice: the figures (all 0 on one rank).
+    """
+    world_size = dist.get_world_size(pg)
+    if world_size < 2:
+        return ExchangePrice()
+    count = max(1, nbytes // 4 // world_size) * world_size
+    seconds = []
+    for n in (world_size, count):
+        send = torch.zeros(n, dtype=torch.float32, device=device)
+        receive = torch.empty_like(send)
+        seconds.append(
+            _timed(
+                lambda: dist.all_to_all_single(receive, send, group=pg),
+                device,
+                repeats,
+            )
+        )
+    rows, batch = 1 << 20, 512
+    ids = max(1, nbytes // 8 // batch) * batch
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=["calibration"],
+        values=torch.randint(0, rows, (ids,), device=device),
+        lengths=torch.full((batch,), ids // batch, dtype=torch.int32, device=device),
+    )
+    block = torch.tensor([-(-rows // world_size)], device=device)
+    seconds.append(
+        _timed(
+            lambda: bucketize_kjt_before_all2all(features, world_size, block),
+            device,
+            repeats,
+        )
+    )
+    slowest = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=pg)
+    small, large, bucketize = (float(v) for v in slowest.tolist())
+    # of its input, a rank sends and receives all but its own part
+    share = 2.0 * (world_size - 1) / world_size
+    return exchange_price_of(
+        small, large, 4 * world_size * share, 4 * count * share, bucketize, ids
+    )
 
 
 def _check_budget(policy: RebalancePolicy, view: _ModelView) -> None:

@@ -130,6 +130,7 @@ class _Splits(LoadHeaps):
         align: int,
         where: Sequence[int],
         fixed: Sequence[float],
+        used: Optional[Sequence[int]],
     ) -> None:
         super().__init__(loads)
         world_size = placement.world_size
@@ -138,7 +139,7 @@ class _Splits(LoadHeaps):
         self.byte_price = byte_price
         self.move_budget = move_budget
         self.align = align
-        self.used: List[int] = [0] * world_size
+        self.used: List[int] = [0] * world_size if used is None else list(used)
         self.traffic: List[int] = list(traffic)
         # per table: its shards as [rank, col, cols], its cost per column,
         # bytes per column, the ranks holding a shard
@@ -150,7 +151,8 @@ class _Splits(LoadHeaps):
         self.on: List[Set[int]] = [set() for _ in range(world_size)]
         rank_of: Dict[Tuple[int, int], int] = {}
         for unit, rank in zip(placement.units, where):
-            self.used[rank] += unit.nbytes
+            if used is None:
+                self.used[rank] += unit.nbytes
             self.holders.setdefault(unit.table, set()).add(rank)
             rank_of[(unit.table, unit.shard)] = rank
         for t, table in enumerate(placement.tables):
@@ -443,6 +445,7 @@ def search_splits(
     max_splits: Optional[int] = None,
     align: int = ALIGN,
     fixed: Optional[Sequence[float]] = None,
+    used: Optional[Sequence[int]] = None,
 ) -> SplitResult:
     """
     Halves hot shards (by columns) onto the least loaded ranks, or merges a
@@ -470,6 +473,8 @@ def search_splits(
         align (int): split widths are multiples of it.
         fixed (Optional[Sequence[float]]): per table of ``placement``, the
             load each of its shards adds whatever its width (default: none).
+        used (Optional[Sequence[int]]): per rank, bytes of tables it holds
+            before the splits (default: its units' after the moves).
 
     Returns:
         SplitResult: the split tables' layouts and the loads after.
@@ -494,6 +499,7 @@ def search_splits(
         align,
         where if where is not None else [u.rank for u in placement.units],
         fixed if fixed is not None else [0.0] * len(placement.tables),
+        used,
     )
     splits = 0
     if loads and before > 0:
