@@ -170,7 +170,7 @@ def exchange_seconds(placement: Any, ids: Sequence[float], price: Any) -> List[f
     every table's bytes, and each row-spread table's bucketization and
     collectives.
     """
-    from torchrec.distributed.resharding.rebalance.exchange import (
+    from torchrec.distributed.resharding.rebalance.exchange_price import (
         row_blocks_spread,
         ROW_COLLECTIVES,
         table_exchange,
@@ -481,7 +481,7 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         unit_costs,
         window_elements,
     )
-    from torchrec.distributed.resharding.rebalance.exchange import ExchangePrice
+    from torchrec.distributed.resharding.rebalance.exchange_price import ExchangePrice
     from torchrec.distributed.resharding.rebalance.placement import (
         placement_from_tables,
     )

@@ -54,7 +54,7 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
-from torchrec.distributed.resharding.rebalance.exchange import ExchangePrice
+from torchrec.distributed.resharding.rebalance.exchange_price import ExchangePrice
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,

@@ -91,7 +91,7 @@ from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
     RebalanceDecision,
     ReshardOutcome,
 )
-from torchrec.distributed.resharding.rebalance.exchange import (
+from torchrec.distributed.resharding.rebalance.exchange_price import (
     exchange_price_of,
     ExchangePrice,
 )

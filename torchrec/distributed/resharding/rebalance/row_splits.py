@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.exchange import (
+from torchrec.distributed.resharding.rebalance.exchange_price import (
     Blocks,
     ExchangePrice,
     ID_BYTES,

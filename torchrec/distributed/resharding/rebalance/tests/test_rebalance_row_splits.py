@@ -40,7 +40,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.resharding.rebalance.exchange import ROW_COLLECTIVES
+from torchrec.distributed.resharding.rebalance.exchange_price import ROW_COLLECTIVES
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer

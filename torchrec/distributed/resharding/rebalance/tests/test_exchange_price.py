@@ -19,7 +19,7 @@ import unittest
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import modelled_saving
-from torchrec.distributed.resharding.rebalance.exchange import (
+from torchrec.distributed.resharding.rebalance.exchange_price import (
     exchange_price_of,
     ExchangePrice,
     ROW_COLLECTIVES,
