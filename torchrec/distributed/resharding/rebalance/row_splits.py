@@ -45,7 +45,11 @@ all-gather of its gradient) is priced at the figures the job measured
 (``price``) on every rank it changes: the search takes a row split only
 where it cuts the slowest rank's kernel plus exchange seconds (ranked by
 the ranks it changes; every other rank's share only bars it); the loads
-it returns hold both.
+it returns hold both. A candidate is built only where a lower bound of
+its peak (the most loaded rank it adds, with the smallest block, less the
+most the exchange can save it) falls below the ceiling and the best score
+so far: the same splits, without building the whole-group layouts (a
+block per rank) that rarely win.
 
 The same rules as moves and column splits: never over a rank's memory (a
 rank holds its blocks in place of its old shard), the bytes moved (a rank
@@ -60,8 +64,9 @@ moved or split again by the search (its row block is its rank's
 position).
 """
 
+import heapq
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
@@ -273,6 +278,15 @@ class _RowSplits(LoadHeaps):
         self.volumes = volumes
         self.price = price
         self.exchange: List[float] = [0.0] * world_size
+        self.row_blocks: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+
+    def blocks_of(self, rows: int, count: int) -> List[Tuple[int, int]]:
+        """``row_blocks(rows, count)``, computed once per search."""
+        key = (rows, count)
+        blocks = self.row_blocks.get(key)
+        if blocks is None:
+            blocks = self.row_blocks[key] = row_blocks(rows, count)
+        return blocks
 
     def exchange_change(self, t: int, blocks: Blocks) -> Tuple[Dict[int, float], float]:
         """
@@ -335,12 +349,13 @@ class _RowSplits(LoadHeaps):
             moved[rank] = nbytes  # sent, less what it keeps below
         sent = sum(moved.values())
         width = cols // len(grid)
+        block_cost: Dict[int, float] = {}  # rows of a block -> its cost
         blocks: List[Tuple[Tuple[int, int], List[Tuple[int, int]]]] = []
         for c, ranks in enumerate(grid):
             first = c * width
             shards: List[Tuple[int, int]] = []
             blocks.append(((first, width), shards))
-            for rank, (_, count) in zip(ranks, row_blocks(rows, len(ranks))):
+            for rank, (_, count) in zip(ranks, self.blocks_of(rows, len(ranks))):
                 shards.append((rank, count))
                 kept = 0
                 if rank in old:  # its old shard spans every row
@@ -348,9 +363,10 @@ class _RowSplits(LoadHeaps):
                     overlap = min(col + old_width, first + width) - max(col, first)
                     kept = count * max(overlap, 0) * element_bytes
                 block = count * width * element_bytes
-                load[rank] = load.get(rank, self.load[rank]) + price.block(
-                    count / rows, width
-                )
+                cost = block_cost.get(count)
+                if cost is None:
+                    cost = block_cost[count] = price.block(count / rows, width)
+                load[rank] = load.get(rank, self.load[rank]) + cost
                 used[rank] = used.get(rank, self.used[rank]) + block
                 moved[rank] = moved.get(rank, 0) - 2 * kept + block
                 sent -= kept
@@ -371,17 +387,31 @@ class _RowSplits(LoadHeaps):
         traffic = {r: self.traffic[r] + v for r, v in moved.items()}
         return peak, sent, load, used, traffic, others, exchange
 
-    def candidates(self, t: int) -> List[Tuple[str, Grid]]:
-        """(sharding type, grid) of each row split of ``t`` tried."""
+    def host_peaks(self) -> List[float]:
+        """Per host, its slowest rank's load."""
+        load = self.load
+        return [max([load[r] for r in ranks]) for ranks in self.hosts]
+
+    def hosts_by_peak(self, peaks: Optional[Sequence[float]] = None) -> List[int]:
+        """
+        The hosts by their slowest rank's load (``peaks``: ``host_peaks()``,
+        computed when not given), the least loaded first.
+        """
+        if peaks is None:
+            peaks = self.host_peaks()
+        return [h for _, h in sorted(zip(peaks, range(len(peaks))))]
+
+    def candidates(
+        self, t: int, hosts: Optional[Sequence[int]] = None
+    ) -> List[Tuple[str, Grid]]:
+        """
+        (sharding type, grid) of each row split of ``t`` tried (``hosts``:
+        ``hosts_by_peak()``, computed when not given).
+        """
         out: List[Tuple[str, Grid]] = []
         allowed = self.allowed[t]
-        hosts: List[int] = []
-        if self.hosts:
-            peaks = sorted(
-                (max(self.load[r] for r in ranks), h)
-                for h, ranks in enumerate(self.hosts)
-            )
-            hosts = [h for _, h in peaks]
+        if hosts is None:
+            hosts = self.hosts_by_peak()
         if ShardingType.TABLE_ROW_WISE.value in allowed:
             for h in hosts[:HOSTS]:
                 out.append((ShardingType.TABLE_ROW_WISE.value, [self.hosts[h]]))
@@ -394,9 +424,46 @@ class _RowSplits(LoadHeaps):
                 out.append((ShardingType.GRID_SHARD.value, grid))
         return out
 
-    def by_load(self, rank: int) -> Tuple[float, int]:
-        """Sorts ranks by load, the highest first (the lowest index among equals)."""
-        return -self.load[rank], rank
+    def least_peak(
+        self,
+        t: int,
+        grid: Grid,
+        old: AbstractSet[int],
+        order: Sequence[int],
+        host_peak: Sequence[float],
+    ) -> float:
+        """
+        A lower bound of the highest load ``outcome`` gives a rank that held
+        none of table ``t`` (the most loaded such rank of ``grid`` with the
+        smallest block, less the most the exchange can save it), or minus
+        infinity: what prunes a candidate before its layout is built
+        (``old``: the ranks holding the table; ``order``: the ranks by
+        load, the highest first; ``host_peak``: ``host_peaks()``).
+        """
+        top = float("-inf")
+        if len(grid) == 1 and len(grid[0]) == len(self.load):  # the whole group
+            for rank in order:
+                if rank not in old:
+                    top = self.load[rank]
+                    break
+        else:
+            for ranks in grid:
+                h = ranks[0] // len(ranks)
+                host = h < len(self.hosts) and self.hosts[h] is ranks
+                if host and old.isdisjoint(ranks):
+                    top = max(top, host_peak[h])
+                else:
+                    for rank in ranks:
+                        if rank not in old:
+                            top = max(top, self.load[rank])
+        if top == float("-inf"):
+            return top
+        layout = self.placement.tables[t].layout
+        least = min(count for _, count in self.blocks_of(layout.rows, len(grid[0])))
+        width = layout.cols // len(grid)
+        bound = top + self.row_costs[t].block(least / layout.rows, width)
+        bound -= self.most_saved(t, len(grid))
+        return bound - abs(bound) * 1e-9  # below any rounding of outcome's sums
 
     def highest_other(
         self, order: Sequence[int], changed: Mapping[int, float]
@@ -407,37 +474,53 @@ class _RowSplits(LoadHeaps):
                 return self.load[rank]
         return 0.0
 
-    def best(self, s: int, ceiling: float) -> Optional[Tuple[float, int, int, str]]:
-        """(score, table, candidate index, type) of the best row split off ``s``."""
-        best: Optional[Tuple[float, int, int, str]] = None
-        order: Optional[List[int]] = None
-        for t in sorted(self.on[s]):
-            if t in self.layouts:
+    def best(
+        self, s: int, ceiling: float
+    ) -> Optional[Tuple[float, int, int, str, Grid, Outcome]]:
+        """
+        (score, table, candidate index, type, grid, outcome) of the best row
+        split off ``s``: the least score, the lowest table and candidate
+        index among equals. A candidate whose ``least_peak`` already reaches
+        the ceiling or the best score so far is not built (its score is at
+        least its peak; an equal score loses to the lower index, and
+        whole-group ones, the costliest to build, are built last).
+        """
+        best: Optional[Tuple[float, int, int, str, Grid, Outcome]] = None
+        world_size = len(self.load)
+        order = [r for _, r in sorted(zip([-v for v in self.load], range(world_size)))]
+        host_peak = self.host_peaks()
+        hosts = self.hosts_by_peak(host_peak)
+        holders = {
+            t: {rank for rank, _, _, _, _ in self.shards[t]}
+            for t in self.on[s]
+            if t not in self.layouts
+        }
+        tried = [
+            (len(grid) == 1 and len(grid[0]) == world_size, t, n, kind, grid)
+            for t in sorted(holders)
+            for n, (kind, grid) in enumerate(self.candidates(t, hosts))
+        ]
+        for _, t, n, kind, grid in sorted(tried, key=lambda c: c[:3]):
+            bound = self.least_peak(t, grid, holders[t], order, host_peak)
+            if bound >= ceiling or (best is not None and bound > best[0]):
                 continue
-            for n, (kind, grid) in enumerate(self.candidates(t)):
-                result = self.outcome(t, grid, ceiling)
-                if result is None:
-                    continue
-                peak, sent, others = result[0], result[1], result[5]
-                # ranked by the ranks it changes; the others only bar it
-                score = peak + self.byte_price * sent
-                rest = 0.0
-                if others > 0:  # every other rank's bucketization, collectives
-                    if order is None:
-                        order = sorted(range(len(self.load)), key=self.by_load)
-                    rest = self.highest_other(order, result[2]) + others
-                if max(peak, rest) >= ceiling or score >= ceiling:
-                    continue
-                candidate = (score, t, n, kind)
-                if best is None or candidate < best:
-                    best = candidate
+            result = self.outcome(t, grid, ceiling)
+            if result is None:
+                continue
+            peak, sent, others = result[0], result[1], result[5]
+            # ranked by the ranks it changes; the others only bar it
+            score = peak + self.byte_price * sent
+            rest = 0.0
+            if others > 0:  # every other rank's bucketization, collectives
+                rest = self.highest_other(order, result[2]) + others
+            if max(peak, rest) >= ceiling or score >= ceiling:
+                continue
+            if best is None or (score, t, n) < best[:3]:
+                best = (score, t, n, kind, grid, result)
         return best
 
-    def apply(self, t: int, n: int) -> None:
-        """Lays table ``t`` out as its ``n``-th candidate."""
-        kind, grid = self.candidates(t)[n]
-        result = self.outcome(t, grid)
-        assert result is not None  # best() found it possible
+    def apply(self, t: int, kind: str, grid: Grid, result: Outcome) -> None:
+        """Lays table ``t`` out as ``grid`` (of type ``kind``), ``result`` its outcome."""
         _, _, load, used, traffic, others, exchange = result
         for rank in sorted(load):
             self.set_load(rank, load[rank])
@@ -448,11 +531,19 @@ class _RowSplits(LoadHeaps):
         if others:
             for rank in range(self.placement.world_size):
                 if rank not in load:
-                    self.set_load(rank, self.load[rank] + others)
+                    self.load[rank] += others
                     self.exchange[rank] += others
+            self.reset_heaps()
         for rank, _, _, _, _ in self.shards[t]:
             self.on[rank].discard(t)
         self.layouts[t] = (kind, [list(ranks) for ranks in grid])
+
+    def reset_heaps(self) -> None:
+        """Rebuilds the load heaps from the loads (after most ranks changed)."""
+        self.high = [(-v, r) for r, v in enumerate(self.load)]
+        self.low = [(v, r) for r, v in enumerate(self.load)]
+        heapq.heapify(self.high)
+        heapq.heapify(self.low)
 
     def run(self, floor: float, min_cut: float, max_splits: int) -> None:
         while len(self.layouts) < max_splits:
@@ -463,8 +554,8 @@ class _RowSplits(LoadHeaps):
             best = self.best(s, top * (1.0 - min_cut))
             if best is None:
                 break
-            _, t, n, _ = best
-            self.apply(t, n)
+            _, t, _, kind, grid, result = best
+            self.apply(t, kind, grid, result)
 
 
 def search_row_splits(
