@@ -459,7 +459,10 @@ class _RowSplits(LoadHeaps):
         if top == float("-inf"):
             return top
         layout = self.placement.tables[t].layout
-        least = min(count for _, count in self.blocks_of(layout.rows, len(grid[0])))
+        # the last of row_blocks(rows, n), the smallest
+        n = len(grid[0])
+        block = -(-layout.rows // n)
+        least = min(block, layout.rows - min((n - 1) * block, layout.rows))
         width = layout.cols // len(grid)
         bound = top + self.row_costs[t].block(least / layout.rows, width)
         bound -= self.most_saved(t, len(grid))
