@@ -34,27 +34,25 @@ no reshard: the calibration's collectives leave training as it was).
 """
 
 import unittest
-from typing import Any, Iterator, List
+from typing import Any, List
 
 import pytest
-import torch
-import torch.distributed as dist
-from torchrec.datasets.utils import Batch
 from torchrec.distributed.resharding.rebalance.exchange_price import ROW_COLLECTIVES
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
 from torchrec.distributed.test_utils.rebalance_utils import (
+    assert_replays_by_hand,
     cpu_topology,
     decision_summary,
     EBC_PATH,
     hand_plan,
     loaded_batches,
     rebalance_model,
+    same_everywhere,
+    train_rebalanced,
 )
 from torchrec.distributed.test_utils.reshard_utils import (
-    assert_optimizer_states_equal,
-    assert_state_dicts_equal,
     BoundedMultiProcessContext,
     ReshardTestBase,
 )
@@ -69,12 +67,6 @@ START = {
     "t2": ("table_wise", 0),
     "t3": ("table_wise", 1),
 }
-
-
-def _same_everywhere(value: Any) -> None:
-    values: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    assert all(v == values[0] for v in values), values
 
 
 def _hot_ids_per_step(loads: List[List[int]], world_size: int) -> float:
@@ -130,19 +122,14 @@ def _run_row_split(rank: int, world_size: int, port: str) -> None:
         model, optimizer = rebalance_model(env, device, plan_a, NUM_TABLES, ROWS, DIM)
         pipeline = TrainPipelineSparseDist(model, optimizer, device)
         rebalancer = Rebalancer(model, cpu_topology(world_size), policy, BATCH)
-        it: Iterator[Batch] = iter(batches)
-        losses = []
-        for _ in range(STEPS):
-            losses.append(pipeline.progress(it)[0].detach())
-            rebalancer.step()
-        rebalancer.close()
+        losses = train_rebalanced(pipeline, rebalancer, batches)
         price = rebalancer.exchange_price
         history = rebalancer.history_table()
         if rank == 0:
             print(history)
             print(f"measured row split prices: {price}")
-        _same_everywhere(decision_summary(rebalancer.history))
-        _same_everywhere(repr(price))
+        same_everywhere(decision_summary(rebalancer.history))
+        same_everywhere(repr(price))
         assert price is not None and price.seconds_per_id > 0, price
 
         hot = [d for d in rebalancer.history if d.step == SHIFT_AT + WINDOW][0]
@@ -181,20 +168,9 @@ def _run_row_split(rank: int, world_size: int, port: str) -> None:
         reshards = [d for d in rebalancer.history if d.action == "reshard"]
 
         # The same plans by hand at the same steps: bit-equal.
-        by_step = {d.step: d.plan for d in reshards}
-        replay, replay_optimizer = rebalance_model(
-            env, device, plan_a, NUM_TABLES, ROWS, DIM
+        assert_replays_by_hand(
+            model, losses, reshards, plan_a, batches, env, (NUM_TABLES, ROWS, DIM)
         )
-        replay_pipeline = TrainPipelineSparseDist(replay, replay_optimizer, device)
-        it = iter(batches)
-        for step in range(1, STEPS + 1):
-            loss = replay_pipeline.progress(it)[0].detach()
-            assert torch.equal(loss, losses[step - 1]), (step, loss, losses[step - 1])
-            if step in by_step:
-                replay.reshard(by_step[step])
-        assert replay.plan.plan == model.plan.plan
-        assert_state_dicts_equal(model.state_dict(), replay.state_dict())
-        assert_optimizer_states_equal(model, replay)
 
 
 class RebalanceRowSplitTest(ReshardTestBase):
