@@ -519,7 +519,6 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         "static_s": max(step_seconds(static)),
         "static_kernel_s": max(true_kernels(static, ids, None)),
     }
-    noise = random.Random(args.seed)
     splittable = {tb.key for tb in static.tables}
     rows = {tb.key: ROW_TYPES for tb in static.tables}
     for name, splits, row_splits, priced in (
@@ -530,9 +529,14 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
     ):
         placement, slope = static, None
         cpu_ms: List[float] = []
+        # each case its own noise, the same draws window by window: a case's
+        # result must not depend on how many windows the cases before it ran
+        noise = random.Random(args.seed)
         for _ in range(args.windows):
             stats = window_stats(placement, ids, noise)
-            # the measured step holds the slowest rank's exchange too
+            # the measured step holds the slowest rank's exchange too (in every
+            # case, as a job's would: the cases without the price stop by it as
+            # well, so their ratios differ from runs before the price existed)
             step = DENSE_S + max(
                 k + e
                 for k, e in zip(

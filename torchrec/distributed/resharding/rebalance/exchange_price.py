@@ -121,36 +121,22 @@ def layout_blocks(layout: TableLayout) -> Blocks:
 
 
 def table_exchange(
-    layout: TableLayout,
-    world_size: int,
-    ids: float,
-    samples: float,
-    id_bytes: float = ID_BYTES,
-    value_bytes: float = VALUE_BYTES,
+    layout: TableLayout, world_size: int, ids: float, samples: float
 ) -> TableExchange:
     """
-    The bytes a table's lookups exchange per step on each rank.
+    The bytes a table's lookups exchange per step on each rank (ids of
+    ``ID_BYTES``, output values and gradients of ``VALUE_BYTES``).
 
     Args:
         layout (TableLayout): the table's layout.
         world_size (int): ranks of the group.
         ids (float): the table's ids per step over all ranks.
         samples (float): its samples per step over all ranks.
-        id_bytes (float): bytes of an id.
-        value_bytes (float): bytes of an output value (and of its gradient).
 
     Returns:
         TableExchange: per rank, bytes sent plus received per step.
     """
-    return blocks_exchange(
-        layout_blocks(layout),
-        layout.rows,
-        world_size,
-        ids,
-        samples,
-        id_bytes,
-        value_bytes,
-    )
+    return blocks_exchange(layout_blocks(layout), layout.rows, world_size, ids, samples)
 
 
 def blocks_exchange(

@@ -75,18 +75,15 @@ from torchrec.distributed.resharding.rebalance.exchange_price import (
     ID_BYTES,
     row_split_seconds,
 )
-from torchrec.distributed.resharding.rebalance.placement import Placement
+from torchrec.distributed.resharding.rebalance.placement import MOVABLE_TYPES, Placement
 from torchrec.distributed.resharding.rebalance.search import LoadHeaps
 from torchrec.distributed.resharding.rebalance.splits import ALIGN
 from torchrec.distributed.types import ShardingType
 
 HOSTS: int = 4  # the least loaded hosts tried per table-row-wise split
 
-ROW_SPLITTABLE_TYPES: Tuple[str, ...] = (
-    ShardingType.TABLE_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.TABLE_COLUMN_WISE.value,
-)
+# the tables a row split may take: those whose shards the search moves whole
+ROW_SPLITTABLE_TYPES: Tuple[str, ...] = MOVABLE_TYPES
 ROW_TYPES: Tuple[str, ...] = (
     ShardingType.ROW_WISE.value,
     ShardingType.TABLE_ROW_WISE.value,

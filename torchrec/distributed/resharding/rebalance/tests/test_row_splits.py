@@ -21,14 +21,15 @@ grid shard sizes give, and the split plan passes the engine's validation.
 
 import unittest
 from dataclasses import replace
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torchrec.distributed.resharding.elastic_plan import plan_layouts, validate_new_plan
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.costs import propose
+from torchrec.distributed.resharding.rebalance.costs import Proposal, propose
 from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
+    Placement,
     placement_from_tables,
     placement_of,
     plan_with_layouts,
@@ -224,6 +225,19 @@ class SearchRowSplitsTest(unittest.TestCase):
         self.assertEqual(result.layouts, {})
 
 
+def _propose_hot_split(stats: LoadStatistics, placement: Placement) -> Proposal:
+    """``propose`` on eight ranks of two hosts, table "hot" splittable."""
+    return propose(
+        stats,
+        placement,
+        1e-3,
+        [1e12] * 8,
+        splittable={"m:hot"},
+        row_splittable={"m:hot": ROW_TYPES},
+        local_world_size=4,
+    )
+
+
 class ProposeRowSplitTest(unittest.TestCase):
     def _stats(self, ids: Dict[str, float]) -> LoadStatistics:
         # 1e-3 s per element, 16 columns: 31.25 samples per table and step
@@ -250,15 +264,7 @@ class ProposeRowSplitTest(unittest.TestCase):
         placement = placement_from_tables(tables, 8)
         ids = {"hot": 500.0, **{f"t{r}": 62.5 for r in range(1, 8)}}
         stats = self._stats(ids)
-        proposal = propose(
-            stats,
-            placement,
-            1e-3,
-            [1e12] * 8,
-            splittable={"m:hot"},
-            row_splittable={"m:hot": ROW_TYPES},
-            local_world_size=4,
-        )
+        proposal = _propose_hot_split(stats, placement)
         self.assertEqual(proposal.sharding_types, {"m:hot": "grid_shard"})
         grid = grid_layout(ROWS, DIM, [[4, 5, 6, 7], [0, 1, 2, 3]])
         self.assertEqual(proposal.layouts, {"m:hot": grid})
@@ -273,15 +279,7 @@ class ProposeRowSplitTest(unittest.TestCase):
         # column splits fix it: no row split
         ids["hot"] = 250.0
         stats = replace(self._stats(ids), compute_seconds=(4.0,) + (1.0,) * 7)
-        proposal = propose(
-            stats,
-            placement,
-            1e-3,
-            [1e12] * 8,
-            splittable={"m:hot"},
-            row_splittable={"m:hot": ROW_TYPES},
-            local_world_size=4,
-        )
+        proposal = _propose_hot_split(stats, placement)
         self.assertEqual(proposal.sharding_types, {"m:hot": "column_wise"})
         without = propose(stats, placement, 1e-3, [1e12] * 8)
         self.assertEqual((without.layouts, without.split), ({}, False))
@@ -293,11 +291,15 @@ class RowSplitPlanTest(unittest.TestCase):
         module = ebc.model.sparse_arch.embedding_bag_collection
         return ShardingPlan({EBC_PATH: make_plan(module, specs, 4, 2, "fused")})
 
-    def test_the_row_split_plans_are_torchrec_s_and_valid(self) -> None:
+    def _two_table_wise_tables(self) -> Tuple[Any, ShardingPlan, Placement]:
+        """t0 table-wise on rank 0, t1 on rank 2, of 4 ranks."""
         tables = {EBC_PATH: [("t0", ROWS, DIM), ("t1", ROWS, DIM)]}
         element_bytes = {f"{EBC_PATH}:t0": BYTES, f"{EBC_PATH}:t1": BYTES}
         plan = self._plans({"t0": ("table_wise", 0), "t1": ("table_wise", 2)})
-        placement = placement_of(plan, tables, element_bytes, 4)
+        return tables, plan, placement_of(plan, tables, element_bytes, 4)
+
+    def test_the_row_split_plans_are_torchrec_s_and_valid(self) -> None:
+        tables, plan, placement = self._two_table_wise_tables()
         key = f"{EBC_PATH}:t0"
         for kind, ranks, reference in (
             ("row_wise", [0, 1, 2, 3], ("row_wise", None)),
@@ -320,10 +322,7 @@ class RowSplitPlanTest(unittest.TestCase):
     def test_the_grid_plan_is_torchrec_s_and_valid(self) -> None:
         # TorchRec's grid shards (8-column blocks on 2 ranks per host), its
         # blocks on hosts 1 then 0 as grid_shard(host_indexes=[1, 0]) puts them
-        tables = {EBC_PATH: [("t0", ROWS, DIM), ("t1", ROWS, DIM)]}
-        element_bytes = {f"{EBC_PATH}:t0": BYTES, f"{EBC_PATH}:t1": BYTES}
-        plan = self._plans({"t0": ("table_wise", 0), "t1": ("table_wise", 2)})
-        placement = placement_of(plan, tables, element_bytes, 4)
+        tables, plan, placement = self._two_table_wise_tables()
         key = f"{EBC_PATH}:t0"
         sizes, offsets = calculate_shard_sizes_and_offsets(
             torch.empty(ROWS, DIM, device="meta"), 4, 2, "grid_shard", 8
