@@ -219,6 +219,7 @@ Outcome = Tuple[
     Dict[int, int],
     float,
     Dict[int, float],
+    float,
 ]
 
 
@@ -323,8 +324,9 @@ class _RowSplits(LoadHeaps):
         Table ``t`` laid out as ``grid`` (its column blocks' ranks): (the
         highest load of a rank it changes, the bytes moved, and per rank
         changed its load, its bytes held and its bytes sent plus received
-        after, the seconds it adds to every other rank's exchange, and per
-        rank changed the seconds it adds to its exchange); None where a
+        after, the seconds it adds to every other rank's exchange, per rank
+        changed the seconds it adds to its exchange, and the highest load of
+        a rank of ``grid``); None where a
         rank's memory or the move budget refuses it, or where a rank that
         held none of the table reaches ``ceiling`` before the exchange, less
         the most the exchange can save such a rank (it starts receiving ids
@@ -374,6 +376,7 @@ class _RowSplits(LoadHeaps):
         for rank, seconds in exchange.items():
             load[rank] = load.get(rank, self.load[rank]) + seconds
         peak = max(load.values())
+        loaded = max(load[rank] for ranks in grid for rank in ranks)
         budget = self.move_budget
         for rank, value in used.items():
             if value > self.used[rank] and value > self.capacity[rank]:
@@ -382,7 +385,7 @@ class _RowSplits(LoadHeaps):
                 if self.traffic[rank] + moved[rank] > budget:
                     return None
         traffic = {r: self.traffic[r] + v for r, v in moved.items()}
-        return peak, sent, load, used, traffic, others, exchange
+        return peak, sent, load, used, traffic, others, exchange, loaded
 
     def host_peaks(self) -> List[float]:
         """Per host, its slowest rank's load."""
@@ -480,10 +483,16 @@ class _RowSplits(LoadHeaps):
         """
         (score, table, candidate index, type, grid, outcome) of the best row
         split off ``s``: the least score, the lowest table and candidate
-        index among equals. A candidate whose ``least_peak`` already reaches
-        the ceiling or the best score so far is not built (its score is at
-        least its peak; an equal score loses to the lower index, and
-        whole-group ones, the costliest to build, are built last).
+        index among equals. The score is the highest load of a rank the
+        split loads (its blocks' ranks) plus its bytes' price: the ranks it
+        relieves keep what else they hold whatever the layout, so ranking
+        by them ties every layout of a table and took the first (one host's
+        eight ranks for a table worth 33 mean ranks, where a grid over 16
+        hosts left each rank a quarter of one). A candidate whose
+        ``least_peak`` already reaches the ceiling or the best score so far
+        is not built (its score is at least that bound; an equal score
+        loses to the lower index, and whole-group ones, the costliest to
+        build, are built last).
         """
         best: Optional[Tuple[float, int, int, str, Grid, Outcome]] = None
         world_size = len(self.load)
@@ -508,12 +517,14 @@ class _RowSplits(LoadHeaps):
             if result is None:
                 continue
             peak, sent, others = result[0], result[1], result[5]
-            # ranked by the ranks it changes; the others only bar it
-            score = peak + self.byte_price * sent
+            # ranked by the ranks it loads; the ranks it relieves and every
+            # other rank only bar it
+            cost = self.byte_price * sent
+            score = result[7] + cost
             rest = 0.0
             if others > 0:  # every other rank's bucketization, collectives
                 rest = self.highest_other(order, result[2]) + others
-            if max(peak, rest) >= ceiling or score >= ceiling:
+            if max(peak, rest) >= ceiling or peak + cost >= ceiling:
                 continue
             if best is None or (score, t, n) < best[:3]:
                 best = (score, t, n, kind, grid, result)
@@ -521,7 +532,7 @@ class _RowSplits(LoadHeaps):
 
     def apply(self, t: int, kind: str, grid: Grid, result: Outcome) -> None:
         """Lays table ``t`` out as ``grid`` (of type ``kind``), ``result`` its outcome."""
-        _, _, load, used, traffic, others, exchange = result
+        _, _, load, used, traffic, others, exchange, _ = result
         for rank in sorted(load):
             self.set_load(rank, load[rank])
             self.used[rank] = used[rank]

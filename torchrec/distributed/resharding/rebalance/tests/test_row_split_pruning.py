@@ -52,12 +52,13 @@ class _Exhaustive(_RowSplits):
                 result = self.outcome(t, grid, ceiling)
                 if result is None:
                     continue
-                score = result[0] + self.byte_price * result[1]
+                cost = self.byte_price * result[1]
+                score = result[7] + cost
                 rest = 0.0
                 if result[5] > 0:
                     others = [v for r, v in enumerate(self.load) if r not in result[2]]
                     rest = max(others, default=0.0) + result[5]
-                if max(result[0], rest) >= ceiling or score >= ceiling:
+                if max(result[0], rest) >= ceiling or result[0] + cost >= ceiling:
                     continue
                 if best is None or (score, t, n) < best[:3]:
                     best = (score, t, n, kind, grid, result)
