@@ -10,13 +10,17 @@
 """
 Which row split the per-window search takes (pure, loads by hand): a split
 is ranked by the ranks it loads, not by the rank it relieves (whose other
-tables stay whatever the layout).
+tables stay whatever the layout); and a table hot enough for a row split
+waits out the window's moves instead of being moved whole (which barred
+its row split).
 """
 
 import unittest
 from typing import Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.costs import propose
+from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
     placement_from_tables,
@@ -77,3 +81,51 @@ class RankedByTheRanksItLoadsTest(unittest.TestCase):
         )
         self.assertEqual(result.loads, (6.0, 1.0) + (3.25,) * 4 + (1.0, 1.0))
 
+
+class HotTablesWaitOutTheMovesTest(unittest.TestCase):
+    def test_a_hot_table_is_split_by_rows_not_moved_whole(self) -> None:
+        # eight ranks on two hosts of four: hot (16 s, its narrowest column
+        # shard 4 s above the mean rank's 3.2) with x and y (3 s each) on
+        # rank 0, 0.5 s on every other rank. Moved whole (rank 0 left at 6,
+        # 16.5 on a rank of 0.5, against 19 for moving x), hot was then
+        # barred from a row split and only cut by columns; held, the moves
+        # take x off rank 0 and hot becomes table-row-wise on host 1 (4 s
+        # and 0.5 s of output on each of ranks 4-7: 5, where a grid over
+        # both hosts would leave rank 0, y's 3 s still on it, at 5.25)
+        tables = [_whole("hot", 0), _whole("x", 0), _whole("y", 0)]
+        tables += [_whole(f"t{r}", r) for r in range(1, 8)]
+        placement = placement_from_tables(tables, 8)
+        ids = {"hot": 1000.0, "x": 187.5, "y": 187.5}
+        ids.update({f"t{r}": 31.25 for r in range(1, 8)})
+        stats = LoadStatistics(
+            steps=10,
+            tables=tuple(
+                TableLoad("m", name, (name,), (1.0,), (31.25 / 8,), n)
+                for name, n in sorted(ids.items())
+            ),
+            compute_seconds=(22.0,) + (0.5,) * 7,
+            input_dist_seconds=(0.0,) * 8,
+            output_dist_seconds=(0.0,) * 8,
+            step_seconds=(22.5,) * 8,
+        )
+        keys = {f"m:{name}" for name in ids}
+        proposal = propose(
+            stats,
+            placement,
+            1e-3,
+            [1e12] * 8,
+            splittable=keys,
+            row_splittable={"m:hot": ROW_TYPES},
+            local_world_size=4,
+        )
+        search = proposal.search
+        assert search is not None
+        moved = {
+            placement.tables[placement.units[i].table].name for i, _ in search.moves
+        }
+        self.assertNotIn("hot", moved)
+        self.assertIn("x", moved)
+        self.assertEqual(proposal.sharding_types["m:hot"], "table_row_wise")
+        self.assertEqual(
+            proposal.layouts["m:hot"], grid_layout(ROWS, DIM, [[4, 5, 6, 7]])
+        )
