@@ -21,6 +21,7 @@ data-parallel replicas stay. Moves become layouts (``moved_layouts``) and
 """
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torch.distributed._shard.metadata import ShardMetadata
@@ -62,8 +63,10 @@ class TableInfo:
     layout: TableLayout
     element_bytes: int
 
-    @property
+    @cached_property
     def key(self) -> TableKey:
+        # built once per table: the per-window search reads it for every
+        # table several times (a frozen dataclass keeps it in its __dict__)
         return TableKey(self.path, self.name)
 
 
