@@ -21,11 +21,13 @@ that slows one rank for a window predicts no gain from a move that only
 mirrors the placement.
 """
 
+import pickle
 import random
 import unittest
 from dataclasses import replace
 from typing import List, Sequence
 
+from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import (
     calibrate,
@@ -165,6 +167,21 @@ class CostModelTest(unittest.TestCase):
         proposal = propose(noisy, before, slope, [1e12] * WORLD)
         self.assertLessEqual(proposal.prediction.gain, 0.0)
         self.assertLessEqual(proposal.prediction.saving, 0.0)
+
+
+class TableKeyTest(unittest.TestCase):
+    def test_a_table_builds_its_key_once(self) -> None:
+        layout = TableLayout(ROWS, DIM, (PlacedShard(0, Rect(0, 0, ROWS, DIM)),))
+        table = TableInfo("ebc", "t0", "table_wise", layout, 4)
+        key = table.key
+        self.assertEqual(key, TableKey("ebc", "t0"))
+        self.assertIs(table.key, key)  # built once, kept by the table
+        # equality, hashing and pickling read the fields, not the kept key
+        fresh = TableInfo("ebc", "t0", "table_wise", layout, 4)
+        self.assertEqual((table, hash(table)), (fresh, hash(fresh)))
+        self.assertEqual(pickle.loads(pickle.dumps(table)), fresh)
+        # a replaced table builds its own
+        self.assertEqual(replace(table, name="t1").key, TableKey("ebc", "t1"))
 
 
 if __name__ == "__main__":
