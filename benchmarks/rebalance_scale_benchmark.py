@@ -56,7 +56,9 @@ that the hottest table outweighs the mean rank. Per case, the slowest
 rank's kernel time relative to the split bound (the mean rank, what
 splitting could reach at best): the whole-shard bound (the mean rank or
 the costliest whole table), the column bound (the costliest table cut in
-4-column shards), the static placement, the rebalancer's moves only and
+4-column shards), the layout bound (the costliest table in its best layout
+of TorchRec's: 4-column shards, row-wise over the group or a host, a grid;
+no plan's slowest rank goes below it), the static placement, the rebalancer's moves only and
 its moves with (column) splits and with row splits too (``+rows``: a table
 may become row-wise over the group, table-row-wise over a host of
 ``--local-world-size`` ranks, or a grid of column blocks each over a host;
@@ -454,6 +456,31 @@ def zipf_pooling(t: int, exponent: float, seed: int) -> List[float]:
     return out
 
 
+def least_per_rank(
+    cost: float, cols: int, samples: int, world_size: int, local_world_size: int
+) -> float:
+    """
+    The least kernel seconds a table of ``cost`` seconds and ``cols``
+    columns puts on its busiest rank in any of TorchRec's layouts: whole,
+    in 4-column shards, row-wise over the group or a host, or a grid of
+    ``k`` column blocks over ``k`` hosts (a row group's ranks each write
+    the pooled output of their columns, ``samples x cols`` elements).
+    """
+    from torchrec.distributed.resharding.rebalance.row_splits import grid_blocks
+    from torchrec.distributed.resharding.rebalance.splits import ALIGN
+
+    output = samples * SLOPE_S
+    hosts = world_size // local_world_size
+    options = [
+        cost * ALIGN / cols,
+        cost / world_size + output * cols,
+        cost / local_world_size + output * cols,
+    ]
+    for k in grid_blocks(cols, hosts):
+        options.append(cost / (k * local_world_size) + output * (cols // k))
+    return min([cost] + options)
+
+
 def with_split_layouts(placement: Any, proposal: Any) -> Any:
     """The placement with a proposal's layouts and sharding types."""
     from dataclasses import replace
@@ -509,6 +536,14 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         [mean]
         + [c / max(1, tb.layout.cols // ALIGN) for c, tb in zip(costs, static.tables)]
     )
+    samples = LOCAL_BATCH * w
+    geometry_bound = FIXED_S + max(
+        [mean]
+        + [
+            least_per_rank(c, tb.layout.cols, samples, w, args.local_world_size)
+            for c, tb in zip(costs, static.tables)
+        ]
+    )
     out: Dict[str, Any] = {
         "world": w,
         "tables": t,
@@ -516,6 +551,7 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
         "split_bound_s": split_bound,
         "whole_bound_s": whole_bound,
         "column_bound_s": column_bound,
+        "geometry_bound_s": geometry_bound,
         "static_s": max(step_seconds(static)),
         "static_kernel_s": max(true_kernels(static, ids, None)),
     }
@@ -580,6 +616,7 @@ def run_zipf_case(w: int, t: int, args: argparse.Namespace) -> Dict[str, Any]:
 def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
     head = (
         f"{'W':>5} {'T':>5} {'zipf':>5} {'whole LB':>9} {'column LB':>9} "
+        f"{'layout LB':>9} "
         f"{'static':>11} {'moves':>11} {'+splits':>11} {'+rows':>11} {'priced':>11} "
         f"{'shards':>11} {'+rows':>11} {'priced':>11} {'row/grid':>8} {'priced':>7} "
         f"{'cpu ms med':>10} {'max':>6} {'+rows med':>9} {'max':>6} "
@@ -590,8 +627,11 @@ def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
         "kernel), then its kernel + exchange seconds / split bound; +splits: moves and column splits, +rows: and row "
         "splits searched on kernels alone (a row-wise table's ranks each pay "
         "its pooled output), priced: row splits searched with the exchange "
-        "priced; shards: before -> after; row/grid: tables made row-wise, "
-        "table-row-wise or grid; cpu ms: the decision per window",
+        "priced; layout LB: the costliest table in its best layout of "
+        "TorchRec's (4-column shards, row-wise, table-row-wise, grid), no "
+        "plan's slowest rank is below it; shards: before -> after; row/grid: "
+        "tables made row-wise, table-row-wise or grid; cpu ms: the decision "
+        "per window",
         f"exchange (ASSUMED, a datacenter network of GPUs): "
         f"{args.seconds_per_byte:.3g} s/byte ({8e-9 / args.seconds_per_byte:.0f} "
         f"Gb/s per rank), {args.collective_seconds * 1e6:.0f} us per collective, "
@@ -605,6 +645,7 @@ def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(
             f"{r['world']:>5} {r['tables']:>5} {r['zipf']:>5.2f} "
             f"{r['whole_bound_s'] / b:>9.2f} {r['column_bound_s'] / b:>9.2f} "
+            f"{r['geometry_bound_s'] / b:>9.2f} "
             + " ".join(
                 f"{r[n + '_kernel_s'] / b:>5.2f}/{r[n + '_s'] / b:<5.2f}"
                 for n in ("static", "moves", "splits", "rows", "priced")
