@@ -77,7 +77,11 @@ ids at ``--seconds-per-id`` and the row sharding's collectives at
 GPUs (printed with the table): 100 Gb/s per rank (8e-11 s per byte), 30 us
 per collective, 0.1 ns per id bucketized. ``+rows`` is the row split search
 priced at nothing (kernels alone, as before issue 35), ``priced`` the same
-search given those figures (what a job's calibration measures).
+search given those figures (what a job's calibration measures): its row
+splits priced by what they change, and its column splits leveling each
+rank's kernel plus its modelled exchange (a piece's holder receives every
+id of its table). ``level`` is the slowest rank's kernel plus exchange
+seconds over the mean rank's in the same layout.
 
     python benchmarks/rebalance_scale_benchmark.py            # every case
     python benchmarks/rebalance_scale_benchmark.py --worlds 64 --tables 100
@@ -620,18 +624,21 @@ def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
         f"{'static':>11} {'moves':>11} {'+splits':>11} {'+rows':>11} {'priced':>11} "
         f"{'shards':>11} {'+rows':>11} {'priced':>11} {'row/grid':>8} {'priced':>7} "
         f"{'cpu ms med':>10} {'max':>6} {'+rows med':>9} {'max':>6} "
-        f"{'priced med':>10} {'max':>6}"
+        f"{'priced med':>10} {'max':>6} {'level +rows':>11} {'priced':>6}"
     )
     lines = [
         "slowest rank's kernel seconds / split bound (the mean rank's "
         "kernel), then its kernel + exchange seconds / split bound; +splits: moves and column splits, +rows: and row "
         "splits searched on kernels alone (a row-wise table's ranks each pay "
-        "its pooled output), priced: row splits searched with the exchange "
-        "priced; layout LB: the costliest table in its best layout of "
+        "its pooled output), priced: row and column splits searched with "
+        "the exchange priced (the column splits level each rank's kernel plus "
+        "its modelled exchange); layout LB: the costliest table in its best layout of "
         "TorchRec's (4-column shards, row-wise, table-row-wise, grid), no "
         "plan's slowest rank is below it; shards: before -> after; row/grid: "
         "tables made row-wise, table-row-wise or grid; cpu ms: the decision "
-        "per window",
+        "per window; level: the slowest rank's kernel + exchange seconds over "
+        "the mean rank's in the same layout (how level the step is; the mean "
+        "is the layout's own, not a bound)",
         f"exchange (ASSUMED, a datacenter network of GPUs): "
         f"{args.seconds_per_byte:.3g} s/byte ({8e-9 / args.seconds_per_byte:.0f} "
         f"Gb/s per rank), {args.collective_seconds * 1e6:.0f} us per collective, "
@@ -659,6 +666,8 @@ def zipf_table(rows: Sequence[Dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{statistics.median(c):>{w1}.1f} {max(c):>6.1f}"
                 for c, w1 in zip(cpus, (10, 9, 10))
             )
+            + f" {r['rows_s'] / r['rows_mean_s']:>11.2f}"
+            + f" {r['priced_s'] / r['priced_mean_s']:>6.2f}"
         )
     return "\n".join(lines)
 
@@ -675,7 +684,7 @@ def zipf_main(args: argparse.Namespace) -> None:
     for name, what in (
         ("splits", "with splits"),
         ("rows", "with row splits"),
-        ("priced", "with priced row splits"),
+        ("priced", "with priced row and column splits"),
     ):
         worst = max(max(r[f"{name}_cpu_ms"]) for r in rows)
         print(f"worst decision per window (CPU, {what}): {worst:.1f} ms")

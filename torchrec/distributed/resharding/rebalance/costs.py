@@ -54,7 +54,12 @@ from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
-from torchrec.distributed.resharding.rebalance.exchange_price import ExchangePrice
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    column_shard_seconds,
+    ColumnShardSeconds,
+    ExchangePrice,
+    table_exchange,
+)
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
     Placement,
@@ -493,9 +498,19 @@ def propose(
     if splittable and rows is not None:
         splittable = {key for key in splittable if key not in rows.layouts}
     if splittable:
+        column_exchange = _column_exchange(
+            placement, ids, samples, splittable, exchange_price
+        )
+        base = (
+            _holder_exchange(
+                placement, where, ids, samples, exchange_price, column_exchange
+            )
+            if column_exchange is not None and exchange_price is not None
+            else [0.0] * placement.world_size
+        )
         split = search_splits(
             placement,
-            loads,
+            [v + b for v, b in zip(loads, base)],
             costs,
             capacity,
             splittable,
@@ -505,7 +520,9 @@ def propose(
             where=where,
             fixed=[n * lookup_columns * seconds_per_element for n in ids],
             used=used,
+            exchange=column_exchange,
         )
+        split = replace(split, loads=tuple(v - b for v, b in zip(split.loads, base)))
         _take_off(placement, where, ids, lookup_columns, split.layouts, after, used)
         for key, layout in split.layouts.items():  # and after (every row)
             for shard in layout.shards:
@@ -521,7 +538,10 @@ def propose(
     output = row_output_elements(placement, samples)
     before = [b + o for b, o in zip(before, output)]
     after = [a + o for a, o in zip(after, output)]
-    exchange = rows.exchange_seconds if rows is not None else ()
+    exchange = _sum_exchange(
+        rows.exchange_seconds if rows is not None else (),
+        split.exchange_seconds if split is not None else (),
+    )
     saving = modelled_saving(before, after, seconds_per_element, exchange)
     return Proposal(
         layouts=layouts,
@@ -531,6 +551,69 @@ def propose(
         splits=split,
         row_splits=rows,
     )
+
+
+def _column_exchange(
+    placement: Placement,
+    ids: Sequence[float],
+    samples: Sequence[float],
+    splittable: AbstractSet[str],
+    price: Optional[ExchangePrice],
+) -> Optional[Dict[int, ColumnShardSeconds]]:
+    """
+    Per splittable table, what a column shard of it adds outside the
+    kernels at ``price`` (None where it is not priced).
+    """
+    if price is None or not price.priced:
+        return None
+    world_size = placement.world_size
+    return {
+        t: column_shard_seconds(world_size, ids[t], samples[t], price)
+        for t, table in enumerate(placement.tables)
+        if table.key in splittable
+    }
+
+
+def _holder_exchange(
+    placement: Placement,
+    where: Sequence[int],
+    ids: Sequence[float],
+    samples: Sequence[float],
+    price: ExchangePrice,
+    columns: Mapping[int, ColumnShardSeconds],
+) -> List[float]:
+    """
+    Per rank, the seconds per step its shards (at ``where``) exchange more
+    than a rank holding none of their tables: for a shard spanning every
+    row, its table's ``columns`` (per shard and per column), else what
+    ``table_exchange`` counts.
+    """
+    out = [0.0] * placement.world_size
+    extra: Dict[int, List[float]] = {}
+    for unit, rank in zip(placement.units, where):
+        column = columns.get(unit.table)
+        if column is not None and unit.share == 1.0:
+            out[rank] += column.shard + column.column * unit.work
+            continue
+        per_shard = extra.get(unit.table)
+        if per_shard is None:
+            layout = placement.tables[unit.table].layout
+            exchange = table_exchange(
+                layout, placement.world_size, ids[unit.table], samples[unit.table]
+            )
+            per_shard = extra[unit.table] = [
+                exchange.of(s.rank) - exchange.others for s in layout.shards
+            ]
+        out[rank] += per_shard[unit.shard] * price.seconds_per_byte
+    return out
+
+
+def _sum_exchange(*parts: Sequence[float]) -> Tuple[float, ...]:
+    """Per rank, the sum of the searches' exchange seconds (empty: not priced)."""
+    priced = [p for p in parts if p]
+    if not priced:
+        return ()
+    return tuple(sum(values) for values in zip(*priced))
 
 
 def _column_splittable(

@@ -41,6 +41,12 @@ holds ``1/W`` of them):
   rank receives its own samples' output (``samples / W x c``) and sends
   back their gradients.
 
+A column split or merge changes the same bytes (``column_shard_seconds``:
+a shard's holder receives every id of its table, and exchanges its
+columns' output; every rank sends its ids to one shard more or fewer);
+the column split search (``splits``) prices them as the row split search
+prices its own.
+
 Ids are ``ID_BYTES`` each, output values and gradients ``VALUE_BYTES``.
 Only the difference between two layouts is used, so what every layout
 exchanges alike (lengths, the dense part) cancels.
@@ -246,6 +252,43 @@ def row_split_seconds(
     return (
         {r: v * per_byte + fixed for r, v in delta.items()},
         others * per_byte + fixed,
+    )
+
+
+@dataclass(frozen=True)
+class ColumnShardSeconds:
+    """
+    What a column shard of one table (spanning every row) adds outside the
+    kernels, in seconds per step, as ``blocks_exchange`` counts it: what a
+    column split or merge changes.
+
+    Args:
+        shard (float): its holder, per shard: the other ranks' ids it
+            receives in place of sending its own.
+        column (float): its holder, per column: the output of the other
+            ranks' samples it sends and their gradients it receives.
+        everyone (float): every rank, per shard of the table: its own ids
+            sent to it.
+    """
+
+    shard: float = 0.0
+    column: float = 0.0
+    everyone: float = 0.0
+
+
+def column_shard_seconds(
+    world_size: int, ids: float, samples: float, price: ExchangePrice
+) -> ColumnShardSeconds:
+    """
+    ``ColumnShardSeconds`` of a table of ``ids`` ids and ``samples``
+    samples per step over ``world_size`` ranks, at ``price``.
+    """
+    w = float(world_size)
+    per_byte = price.seconds_per_byte
+    return ColumnShardSeconds(
+        shard=ids * (w - 2.0) / w * ID_BYTES * per_byte,
+        column=2.0 * samples * (w - 2.0) / w * VALUE_BYTES * per_byte,
+        everyone=ids / w * ID_BYTES * per_byte,
     )
 
 

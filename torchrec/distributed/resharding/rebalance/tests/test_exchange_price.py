@@ -20,6 +20,7 @@ import unittest
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import modelled_saving
 from torchrec.distributed.resharding.rebalance.exchange_price import (
+    column_shard_seconds,
     exchange_price_of,
     ExchangePrice,
     ROW_COLLECTIVES,
@@ -108,6 +109,45 @@ class TableExchangeTest(unittest.TestCase):
         free = ExchangePrice()
         delta, others = row_split_seconds(_whole(0), layout, 2, IDS, SAMPLES, free)
         self.assertEqual((delta, others), ({0: 0.0, 1: 0.0}, 0.0))
+
+
+class ColumnShardSecondsTest(unittest.TestCase):
+    def test_a_column_split_by_hand_and_by_layout(self) -> None:
+        # four ranks; 4 of the 16 columns of a table on rank 2 go to rank 1:
+        # rank 1 receives 2/4 of the ids (3/4 from the others, less its own
+        # quarter it no longer sends) and exchanges its 4 columns' output
+        # of 2/4 of the samples both ways; rank 2 exchanges 4 columns less;
+        # every rank sends its quarter of the ids to one shard more
+        per_byte = 1e-4
+        got = column_shard_seconds(4, IDS, SAMPLES, ExchangePrice(per_byte))
+        self.assertAlmostEqual(got.shard, IDS * 2 / 4 * 8 * per_byte)
+        self.assertAlmostEqual(got.column, 2 * SAMPLES * 2 / 4 * 4 * per_byte)
+        self.assertAlmostEqual(got.everyone, IDS / 4 * 8 * per_byte)
+        # the same as the layouts' exchange before and after
+        split = TableLayout(
+            ROWS,
+            DIM,
+            (
+                PlacedShard(2, Rect(0, 0, ROWS, DIM - 4)),
+                PlacedShard(1, Rect(0, DIM - 4, ROWS, 4)),
+            ),
+        )
+        before = table_exchange(_whole(2), 4, IDS, SAMPLES)
+        after = table_exchange(split, 4, IDS, SAMPLES)
+        expected = {
+            0: got.everyone,
+            1: got.shard + 4 * got.column + got.everyone,
+            2: -4 * got.column + got.everyone,
+            3: got.everyone,
+        }
+        for rank, seconds in expected.items():
+            self.assertAlmostEqual(
+                (after.of(rank) - before.of(rank)) * per_byte, seconds
+            )
+
+    def test_no_price_nothing(self) -> None:
+        got = column_shard_seconds(4, IDS, SAMPLES, ExchangePrice(0.0, 0.1, 0.004))
+        self.assertEqual((got.shard, got.column, got.everyone), (0.0, 0.0, 0.0))
 
 
 class ExchangePriceTest(unittest.TestCase):

@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Column splits priced by their exchange (pure): a piece of a hot table whose
+holder would receive more ids than its kernel saves is not cut, a cheaper
+one is; and on random placements each rank's exchange of its shards by the per shard and per
+column figures is what ``table_exchange`` counts, and the loads and
+exchange seconds the search reports equal the kernels moved plus each rank's exchange before
+and after, read off the layouts by ``table_exchange`` (not by the
+search's own sums).
+"""
+
+import random
+import unittest
+from typing import Dict, List, Sequence, Tuple
+
+from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
+from torchrec.distributed.resharding.rebalance.costs import _holder_exchange
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    column_shard_seconds,
+    ColumnShardSeconds,
+    ExchangePrice,
+    table_exchange,
+)
+from torchrec.distributed.resharding.rebalance.placement import (
+    Placement,
+    placement_from_tables,
+    TableInfo,
+)
+from torchrec.distributed.resharding.rebalance.splits import search_splits
+
+ROWS, DIM = 64, 16
+BYTES = 8
+IDS, SAMPLES = 1000.0, 32.0
+
+
+def _table(name: str, kind: str, shards: Sequence[Tuple[int, int, int]]) -> TableInfo:
+    """A table of ROWS x DIM whose shards are (rank, col, cols)."""
+    layout = TableLayout(
+        ROWS, DIM, tuple(PlacedShard(r, Rect(0, c, ROWS, w)) for r, c, w in shards)
+    )
+    return TableInfo("m", name, kind, layout, BYTES)
+
+
+def _exchange(
+    placement: Placement, ids: Sequence[float], price: ExchangePrice
+) -> Dict[int, ColumnShardSeconds]:
+    return {
+        t: column_shard_seconds(placement.world_size, ids[t], SAMPLES, price)
+        for t in range(len(placement.tables))
+    }
+
+
+class PricedSplitTest(unittest.TestCase):
+    def _search(self, per_byte: float):  # pyre-ignore
+        # four ranks: "hot" (16 columns, 1 s per column) alone on rank 0
+        tables = [_table("hot", "table_wise", [(0, 0, DIM)])] + [
+            _table(f"t{r}", "table_wise", [(r, 0, DIM)]) for r in (1, 2, 3)
+        ]
+        placement = placement_from_tables(tables, 4)
+        costs = [16.0 if u.rank == 0 else 2.0 for u in placement.units]
+        price = ExchangePrice(per_byte)
+        return search_splits(
+            placement,
+            [16.0, 2.0, 2.0, 2.0],
+            costs,
+            [1e12] * 4,
+            {t.key for t in tables},
+            exchange=_exchange(placement, [IDS] * 4, price),
+        )
+
+    def test_a_piece_whose_ids_cost_more_than_it_saves_is_not_cut(self) -> None:
+        # its holder would receive 500 ids x 8 bytes at 1e-2 s per byte:
+        # 40 s, more than the 16 s the hot rank has
+        self.assertEqual(self._search(1e-2).layouts, {})
+        self.assertEqual(self._search(0.0).splits > 0, True)
+
+    def test_a_cheap_piece_is_cut_and_its_exchange_reported(self) -> None:
+        result = self._search(1e-4)
+        self.assertIn("m:hot", result.layouts)
+        self.assertEqual(len(result.exchange_seconds), 4)
+        self.assertLess(max(result.loads), 16.0)
+
+
+class ExchangeBookkeepingTest(unittest.TestCase):
+    def test_loads_and_exchange_match_the_layouts(self) -> None:
+        rng = random.Random(7)
+        for case in range(40):
+            with self.subTest(case=case):
+                self._check(rng)
+
+    def _check(self, rng: random.Random) -> None:
+        world = rng.choice([4, 8])
+        tables: List[TableInfo] = []
+        per_col: List[float] = []
+        for i in range(rng.randint(3, 7)):
+            rank = rng.randrange(world)
+            if rng.random() < 0.5:
+                tables.append(_table(f"t{i}", "table_wise", [(rank, 0, DIM)]))
+            else:
+                other = (rank + 1) % world
+                tables.append(
+                    _table(f"t{i}", "column_wise", [(rank, 0, 8), (other, 8, 8)])
+                )
+            per_col.append(rng.choice([0.05, 0.2, 1.0, 3.0]))
+        placement = placement_from_tables(tables, world)
+        by_name = dict(zip([t.name for t in tables], per_col))
+        cols = [by_name[t.name] for t in placement.tables]
+        ids = [rng.choice([100.0, IDS, 5000.0]) for _ in placement.tables]
+        costs = [cols[u.table] * u.work for u in placement.units]
+        loads = [0.0] * world
+        for unit, cost in zip(placement.units, costs):
+            loads[unit.rank] += cost
+        price = ExchangePrice(rng.choice([1e-5, 1e-4, 1e-3]))
+        # each rank's exchange of its shards: the per shard and per column
+        # figures give what table_exchange counts
+        where = [u.rank for u in placement.units]
+        samples = [SAMPLES] * len(ids)
+        by_figures = _holder_exchange(
+            placement, where, ids, samples, price, _exchange(placement, ids, price)
+        )
+        by_layouts = _holder_exchange(placement, where, ids, samples, price, {})
+        for got, expected in zip(by_figures, by_layouts):
+            self.assertAlmostEqual(got, expected)
+        result = search_splits(
+            placement,
+            loads,
+            costs,
+            [1e12] * world,
+            {t.key for t in placement.tables},
+            exchange=_exchange(placement, ids, price),
+        )
+        kernel = [0.0] * world
+        exchange = [0.0] * world
+        for t, table in enumerate(placement.tables):
+            after = result.layouts.get(table.key)
+            if after is None:
+                continue
+            for shard in table.layout.shards:
+                kernel[shard.rank] -= cols[t] * shard.rect.cols
+            for shard in after.shards:
+                kernel[shard.rank] += cols[t] * shard.rect.cols
+            old = table_exchange(table.layout, world, ids[t], SAMPLES)
+            new = table_exchange(after, world, ids[t], SAMPLES)
+            for rank in range(world):
+                exchange[rank] += (new.of(rank) - old.of(rank)) * price.seconds_per_byte
+        for rank in range(world):
+            self.assertAlmostEqual(result.exchange_seconds[rank], exchange[rank])
+            self.assertAlmostEqual(
+                result.loads[rank], loads[rank] + kernel[rank] + exchange[rank]
+            )
+
+
+if __name__ == "__main__":
+    unittest.main()
