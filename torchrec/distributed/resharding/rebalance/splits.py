@@ -47,15 +47,17 @@ With the exchange priced (``exchange``, per table its
 (per shard, with its fixed cost) and its columns' output exchanged (per
 column, with its cost per column), and every rank pays the ids it sends
 to one shard more (a lift of every rank's load, after a merge a drop): a
-split is taken only where the slowest rank's kernel plus exchange seconds
-fall, and no other rank's rises above them. Priced so, a piece of a hot
+split is taken only where the slowest rank's kernel plus exchange seconds,
+the lift included, fall by the least cut (a rank tied with it rises by
+the lift and is cut next; barring that, two tied ranks stalled every
+priced split); the proposal is judged whole (``costs.propose``'s saving
+holds every rank's lift). Priced so, a piece of a hot
 narrow table, whose holder receives every one of its ids, costs about
 what its kernel saves (at 1,024 ranks x 1,000 tables the cuts the kernels
 alone asked for raised the slowest rank's kernel plus exchange seconds
 from 26.5 to 33.8 mean ranks).
 """
 
-import heapq
 from dataclasses import dataclass, replace
 from typing import AbstractSet, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -216,28 +218,6 @@ class _Splits(LoadHeaps):
         self.changed: Set[int] = set()  # tables with a shard handed on whole
         self.merges = 0
 
-    def leaders(self) -> List[int]:
-        """The four most loaded ranks, the most loaded first."""
-        high, load = self.high, self.load
-        out: List[int] = []
-        kept: List[Tuple[float, int]] = []
-        while high and len(out) < 4:
-            entry = heapq.heappop(high)
-            if -entry[0] != load[entry[1]] or entry[1] in out:
-                continue
-            kept.append(entry)
-            out.append(entry[1])
-        for entry in kept:
-            heapq.heappush(high, entry)
-        return out
-
-    def highest_other(self, leaders: Sequence[int], *ranks: int) -> float:
-        """The highest load of a rank not in ``ranks`` (``leaders``: ``leaders()``)."""
-        for rank in leaders:
-            if rank not in ranks:
-                return self.load[rank]
-        return 0.0
-
     def room(self, s: int, d: int, nbytes: int) -> bool:
         """Whether ``d`` can take ``nbytes`` more within memory and the move budget."""
         if self.used[d] + nbytes > self.capacity[d]:
@@ -265,7 +245,6 @@ class _Splits(LoadHeaps):
         top = self.load[s]
         align = self.align
         best: Optional[Tuple[float, int, int, int, int, int, int, int, int]] = None
-        leaders = self.leaders()
         for t in sorted(self.on[s]):
             per_col, fixed = self.per_col[t], self.fixed[t]
             if per_col <= 0:
@@ -300,12 +279,6 @@ class _Splits(LoadHeaps):
                     elif not self.room(s, d, nbytes):
                         continue
                     pair = max(top - moved, after) + total
-                    if (
-                        total > 0
-                        and self.highest_other(leaders, s, d, handed[2]) + (total)
-                        >= top
-                    ):
-                        continue  # every rank's lift passes the slowest
                     score = pair + self.byte_price * (nbytes + extra)
                     if score >= ceiling:
                         continue

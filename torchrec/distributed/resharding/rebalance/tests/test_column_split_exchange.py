@@ -14,7 +14,7 @@ one is; and on random placements each rank's exchange of its shards by the per s
 column figures is what ``table_exchange`` counts, and the loads and
 exchange seconds the search reports equal the kernels moved plus each rank's exchange before
 and after, read off the layouts by ``table_exchange`` (not by the
-search's own sums).
+search's own sums); ranks tied at the top do not stall priced splits.
 """
 
 import random
@@ -87,6 +87,30 @@ class PricedSplitTest(unittest.TestCase):
         self.assertIn("m:hot", result.layouts)
         self.assertEqual(len(result.exchange_seconds), 4)
         self.assertLess(max(result.loads), 16.0)
+
+    def test_ranks_tied_at_the_top_are_cut_in_turn(self) -> None:
+        # eight ranks: hot tables whole on ranks 0-3 (16 s each), cold ones
+        # on ranks 4-7 (2 s each); every split lifts every rank a little
+        # (its ids sent to one shard more), and the hot ranks tied with the
+        # one cut are cut in turn, as without a price
+        tables = [_table(f"h{r}", "table_wise", [(r, 0, DIM)]) for r in range(4)]
+        tables += [_table(f"c{r}", "table_wise", [(r, 0, DIM)]) for r in range(4, 8)]
+        placement = placement_from_tables(tables, 8)
+        costs = [16.0 if u.rank < 4 else 2.0 for u in placement.units]
+
+        def search(per_byte: float) -> Dict[str, TableLayout]:
+            return search_splits(
+                placement,
+                [16.0] * 4 + [2.0] * 4,
+                costs,
+                [1e12] * 8,
+                {t.key for t in tables},
+                exchange=_exchange(placement, [IDS] * 8, ExchangePrice(per_byte)),
+            ).layouts
+
+        free = search(0.0)
+        self.assertEqual(len(free), 8)  # each hot table halved, and more
+        self.assertEqual(search(1e-9), free)
 
 
 class ExchangeBookkeepingTest(unittest.TestCase):
