@@ -14,7 +14,9 @@ one is; and on random placements each rank's exchange of its shards by the per s
 column figures is what ``table_exchange`` counts, and the loads and
 exchange seconds the search reports equal the kernels moved plus each rank's exchange before
 and after, read off the layouts by ``table_exchange`` (not by the
-search's own sums); ranks tied at the top do not stall priced splits.
+search's own sums); ranks tied at the top do not stall priced splits;
+priced, a window makes at most half the group's ranks' worth of column
+splits (at least ``PRICED_SPLITS_LEAST``).
 """
 
 import random
@@ -22,13 +24,19 @@ import unittest
 from typing import Dict, List, Sequence, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
-from torchrec.distributed.resharding.rebalance.costs import _holder_exchange
+from torchrec.distributed.resharding.rebalance.costs import (
+    _holder_exchange,
+    PRICED_SPLITS_LEAST,
+    PRICED_SPLITS_PER_RANKS,
+    propose,
+)
 from torchrec.distributed.resharding.rebalance.exchange_price import (
     column_shard_seconds,
     ColumnShardSeconds,
     ExchangePrice,
     table_exchange,
 )
+from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
     placement_from_tables,
@@ -180,6 +188,45 @@ class ExchangeBookkeepingTest(unittest.TestCase):
             self.assertAlmostEqual(
                 result.loads[rank], loads[rank] + kernel[rank] + exchange[rank]
             )
+
+
+class PricedSplitsPerWindowTest(unittest.TestCase):
+    def _propose(self, price: ExchangePrice) -> int:
+        # 512 ranks: a hot table whole on each of ranks 0-255 (4 s), a cold
+        # one on each of ranks 256-511 (0.4 s); moves cannot help, hot
+        # tables cut onto cold ranks can
+        world = 512
+        tables = [_table(f"t{r:03}", "table_wise", [(r, 0, DIM)]) for r in range(world)]
+        placement = placement_from_tables(tables, world)
+        ids = [125.0 if r < world // 2 else 12.5 for r in range(world)]
+        stats = LoadStatistics(
+            steps=10,
+            tables=tuple(
+                TableLoad("m", f"t{r:03}", (f"t{r:03}",), (1.0,), (1.0,), ids[r])
+                for r in range(world)
+            ),
+            compute_seconds=tuple(n * DIM * 1e-3 for n in ids),
+            input_dist_seconds=(0.0,) * world,
+            output_dist_seconds=(0.0,) * world,
+            step_seconds=(4.5,) * world,
+        )
+        proposal = propose(
+            stats,
+            placement,
+            1e-3,
+            [1e12] * world,
+            splittable={t.key for t in tables},
+            exchange_price=price,
+        )
+        assert proposal.splits is not None
+        return proposal.splits.splits
+
+    def test_priced_splits_are_capped_per_window(self) -> None:
+        cap = max(PRICED_SPLITS_LEAST, 512 // PRICED_SPLITS_PER_RANKS)
+        self.assertEqual(cap, 256)
+        self.assertGreater(self._propose(ExchangePrice()), cap)
+        # a price too small to change any split: only the cap limits them
+        self.assertEqual(self._propose(ExchangePrice(1e-15)), cap)
 
 
 if __name__ == "__main__":
