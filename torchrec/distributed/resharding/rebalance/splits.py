@@ -17,45 +17,45 @@ cut, a splittable shard on it is cut by columns: its left part stays, its
 right part, as wide as best evens the two ranks, goes to one of the least
 loaded ranks (the split that leaves the pair lowest wins). Where no such
 rank can take even the narrowest piece (a shard worth about the mean rank,
-its half more than any rank's room), the receiver makes room first: it
-hands one of its own shards on to a third of the least loaded ranks, whole
-or the piece of it that best evens the two, whichever leaves all three
-lowest (without it the search stalls with such a shard on the slowest
-rank, 1.17x the mean at 64 ranks x 100 tables on a Zipf 1.1 load). A table-wise
-table becomes column-wise with two shards, a column-wise one gets one shard
-more (``k`` shards become ``2k`` after ``k`` splits). A shard on the
-slowest rank may instead be merged into the shard of its table next to it
-(the columns on either side) on another rank: the slowest rank sheds its
-columns and the fixed cost of a shard, the other takes the columns only,
-and the table has one shard fewer (column-wise still, with one shard
-spanning its columns when one is left). Each step takes the split or
-merge that leaves the pair of ranks lowest. The same rules as moves: never over a rank's memory, never two shards of a table on
-one rank, the bytes moved priced at ``byte_price`` seconds per step (a split
-that does not pay for its bytes is not made), within ``move_budget`` bytes
-per rank, ties to the lowest index (every rank finds the same splits). The
-geometry is the engine's: column-wise shards span every row and tile the
-columns, each ``ALIGN`` columns wide or a multiple of it (fbgemm's kernels
-need widths that are multiples of 4). Row-wise, grid and data-parallel
-tables, and tables whose user constraints name no column-wise sharding, are
-never split. The cost of a shard is its table's cost per column times its
-width (an id reads every column of a column-wise table once) plus the
-table's fixed cost per shard (``fixed``: every shard reads every id of the
-table, whatever its width), which the receiver of a piece pays anew.
+its half more than any rank's room), the receiver makes room first: it hands
+one of its own shards on to a third of the least loaded ranks, whole or the
+piece of it that best evens the two, whichever leaves all three lowest
+(without it the search stalls with such a shard on the slowest rank, 1.17x
+the mean at 64 ranks x 100 tables on a Zipf 1.1 load). A table-wise table
+becomes column-wise with two shards, a column-wise one gets one shard more
+(``k`` shards become ``2k`` after ``k`` splits). A shard on the slowest rank
+may instead be merged into the shard of its table next to it (the columns on
+either side) on another rank: the slowest rank sheds its columns and the
+fixed cost of a shard, the other takes the columns only, and the table has
+one shard fewer (column-wise still, with one shard spanning its columns when
+one is left). Each step takes the split or merge that leaves the pair of
+ranks lowest. The same rules as moves: never over a rank's memory, never two
+shards of a table on one rank, the bytes moved priced at ``byte_price``
+seconds per step (a split that does not pay for its bytes is not made),
+within ``move_budget`` bytes per rank, ties to the lowest index (every rank
+finds the same splits). The geometry is the engine's: column-wise shards
+span every row and tile the columns, each ``ALIGN`` columns wide or a
+multiple of it (fbgemm's kernels need widths that are multiples of 4).
+Row-wise, grid and data-parallel tables, and tables whose user constraints
+name no column-wise sharding, are never split. The cost of a shard is its
+table's cost per column times its width (an id reads every column of a
+column-wise table once) plus the table's fixed cost per shard (``fixed``:
+every shard reads every id of the table, whatever its width), which the
+receiver of a piece pays anew.
 
 With the exchange priced (``exchange``, per table its
-``ColumnShardSeconds``), a shard's holder also pays the ids it receives
-(per shard, with its fixed cost) and its columns' output exchanged (per
-column, with its cost per column), and every rank pays the ids it sends
-to one shard more (a lift of every rank's load, after a merge a drop): a
-split is taken only where the slowest rank's kernel plus exchange seconds,
-the lift included, fall by the least cut (a rank tied with it rises by
-the lift and is cut next; barring that, two tied ranks stalled every
-priced split); the proposal is judged whole (``costs.propose``'s saving
-holds every rank's lift). Priced so, a piece of a hot
-narrow table, whose holder receives every one of its ids, costs about
-what its kernel saves (at 1,024 ranks x 1,000 tables the cuts the kernels
-alone asked for raised the slowest rank's kernel plus exchange seconds
-from 26.5 to 33.8 mean ranks).
+``ColumnShardSeconds``), a shard's holder also pays the ids it receives (per
+shard, with its fixed cost) and its columns' output exchanged (per column,
+with its cost per column), and every rank pays the ids it sends to one shard
+more (a lift of every rank's load, after a merge a drop): a split is taken
+only where the slowest rank's kernel plus exchange seconds, the lift
+included, fall by the least cut (a rank tied with it rises by the lift and
+is cut next; barring that, two tied ranks stalled every priced split); the
+proposal is judged whole (``costs.propose``'s saving holds every rank's
+lift). Priced so, a piece of a hot narrow table, whose holder receives every
+one of its ids, costs about what its kernel saves (at 1,024 ranks x 1,000
+tables the cuts the kernels alone asked for raised the slowest rank's kernel
+plus exchange seconds from 26.5 to 33.8 mean ranks).
 """
 
 from dataclasses import dataclass, replace
@@ -69,6 +69,7 @@ from torchrec.distributed.types import ShardingType
 
 ALIGN: int = 4  # a split shard's width is a multiple of this
 RECEIVERS: int = 8  # the least loaded ranks tried per split
+UNPRICED: ColumnShardSeconds = ColumnShardSeconds()
 
 SPLITTABLE_TYPES: Tuple[str, ...] = (
     ShardingType.TABLE_WISE.value,
@@ -202,21 +203,21 @@ class _Splits(LoadHeaps):
         # the exchange priced: in the loads of the holders (per shard with
         # the fixed cost, per column with the cost per column), and every
         # rank's lift (kept apart: it moves no rank past another)
-        self.shard_seconds: Dict[int, float] = {}
-        self.column_seconds: Dict[int, float] = {}
-        self.everyone: Dict[int, float] = {}
-        for t, seconds in exchange.items():
-            if t in self.per_col:
-                self.per_col[t] += seconds.column
-                self.fixed[t] += seconds.shard
-                self.shard_seconds[t] = seconds.shard
-                self.column_seconds[t] = seconds.column
-                self.everyone[t] = seconds.everyone
+        self.priced: Dict[int, ColumnShardSeconds] = {
+            t: seconds for t, seconds in exchange.items() if t in self.per_col
+        }
+        for t, seconds in self.priced.items():
+            self.per_col[t] += seconds.column
+            self.fixed[t] += seconds.shard
         self.exchange: List[float] = [0.0] * world_size
         self.lift = 0.0
         self.split_tables: Set[int] = set()
         self.changed: Set[int] = set()  # tables with a shard handed on whole
         self.merges = 0
+
+    def seconds(self, t: int) -> ColumnShardSeconds:
+        """What a column shard of table ``t`` adds outside the kernels (nothing unpriced)."""
+        return self.priced.get(t, UNPRICED)
 
     def room(self, s: int, d: int, nbytes: int) -> bool:
         """Whether ``d`` can take ``nbytes`` more within memory and the move budget."""
@@ -249,7 +250,7 @@ class _Splits(LoadHeaps):
             per_col, fixed = self.per_col[t], self.fixed[t]
             if per_col <= 0:
                 continue
-            lift = self.everyone.get(t, 0.0)
+            lift = self.seconds(t).everyone
             for k, (rank, _, cols) in enumerate(self.shards[t]):
                 if rank != s or cols < 2 * align or cols % align:
                     continue
@@ -342,7 +343,7 @@ class _Splits(LoadHeaps):
                         options.append((piece, per_col * piece, cols - piece))
                     for width, shed, kept in options:
                         gained = shed + (fixed if kept else 0.0)
-                        lift = self.everyone.get(u, 0.0) if kept else 0.0
+                        lift = self.seconds(u).everyone if kept else 0.0
                         higher = max(after - shed, self.load[e] + gained)
                         if higher + lift >= ceiling or higher + lift > limit:
                             continue
@@ -370,9 +371,8 @@ class _Splits(LoadHeaps):
         shard = self.shards[u][j]
         d, cols = shard[0], shard[2]
         cost = self.per_col[u] * cols + self.fixed[u]
-        exchange = self.column_seconds.get(u, 0.0) * cols + self.shard_seconds.get(
-            u, 0.0
-        )
+        seconds = self.seconds(u)
+        exchange = seconds.column * cols + seconds.shard
         self.exchange[d] -= exchange
         self.exchange[e] += exchange
         shard[0] = e
@@ -393,7 +393,7 @@ class _Splits(LoadHeaps):
         best: Optional[Tuple[float, int, int, int, int]] = None
         for t in sorted(self.on[s]):
             per_col, fixed = self.per_col[t], self.fixed[t]
-            lift = -self.everyone.get(t, 0.0)  # every rank sends to one shard less
+            lift = -self.seconds(t).everyone  # every rank sends to one shard less
             shards = self.shards[t]
             for k, (rank, col, cols) in enumerate(shards):
                 if rank != s:
@@ -424,10 +424,11 @@ class _Splits(LoadHeaps):
         _, other_col, other_cols = shards[j]
         moved = self.per_col[t] * cols
         nbytes = int(self.bytes_per_col[t] * cols)
-        columns = self.column_seconds.get(t, 0.0) * cols
-        self.exchange[s] -= columns + self.shard_seconds.get(t, 0.0)
+        seconds = self.seconds(t)
+        columns = seconds.column * cols
+        self.exchange[s] -= columns + seconds.shard
         self.exchange[d] += columns
-        self.lift -= self.everyone.get(t, 0.0)
+        self.lift -= seconds.everyone
         shards[j] = [d, min(col, other_col), cols + other_cols]
         del shards[k]
         self.holders[t].discard(s)
@@ -443,10 +444,11 @@ class _Splits(LoadHeaps):
         right = cols - left
         moved = self.per_col[t] * right
         nbytes = int(self.bytes_per_col[t] * right)
-        columns = self.column_seconds.get(t, 0.0) * right
+        seconds = self.seconds(t)
+        columns = seconds.column * right
         self.exchange[s] -= columns
-        self.exchange[d] += columns + self.shard_seconds.get(t, 0.0)
-        self.lift += self.everyone.get(t, 0.0)
+        self.exchange[d] += columns + seconds.shard
+        self.lift += seconds.everyone
         self.shards[t][k] = [rank, col, left]
         self.shards[t].append([d, col + left, right])
         self.holders[t].add(d)

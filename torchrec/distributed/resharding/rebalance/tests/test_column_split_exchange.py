@@ -16,7 +16,9 @@ exchange seconds the search reports equal the kernels moved plus each rank's exc
 and after, read off the layouts by ``table_exchange`` (not by the
 search's own sums); ranks tied at the top do not stall priced splits;
 priced, a window makes at most half the group's ranks' worth of column
-splits (at least ``PRICED_SPLITS_LEAST``).
+splits (at least ``PRICED_SPLITS_LEAST``). The random placements make
+merges and hand shards on whole to make room, so that every step's
+bookkeeping is checked.
 """
 
 import random
@@ -42,7 +44,7 @@ from torchrec.distributed.resharding.rebalance.placement import (
     placement_from_tables,
     TableInfo,
 )
-from torchrec.distributed.resharding.rebalance.splits import search_splits
+from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
 
 ROWS, DIM = 64, 16
 BYTES = 8
@@ -64,6 +66,20 @@ def _exchange(
         t: column_shard_seconds(placement.world_size, ids[t], SAMPLES, price)
         for t in range(len(placement.tables))
     }
+
+
+def _handed_on_whole(placement: Placement, layouts: Dict[str, TableLayout]) -> int:
+    """Shards found on another rank with the same columns after the search."""
+    count = 0
+    for table in placement.tables:
+        after = layouts.get(table.key)
+        if after is None:
+            continue
+        before = {(s.rect.col, s.rect.cols): s.rank for s in table.layout.shards}
+        for shard in after.shards:
+            rank = before.get((shard.rect.col, shard.rect.cols))
+            count += rank is not None and rank != shard.rank
+    return count
 
 
 class PricedSplitTest(unittest.TestCase):
@@ -124,11 +140,18 @@ class PricedSplitTest(unittest.TestCase):
 class ExchangeBookkeepingTest(unittest.TestCase):
     def test_loads_and_exchange_match_the_layouts(self) -> None:
         rng = random.Random(7)
+        merges = handed = 0
         for case in range(40):
             with self.subTest(case=case):
-                self._check(rng)
+                result, placement = self._check(rng)
+                merges += result.merges
+                handed += _handed_on_whole(placement, result.layouts)
+        # the bookkeeping of every step is exercised: merges, and shards a
+        # receiver hands on whole to make room (27 and 10 when written)
+        self.assertGreater(merges, 0)
+        self.assertGreater(handed, 0)
 
-    def _check(self, rng: random.Random) -> None:
+    def _check(self, rng: random.Random) -> Tuple[SplitResult, Placement]:
         world = rng.choice([4, 8])
         tables: List[TableInfo] = []
         per_col: List[float] = []
@@ -188,6 +211,7 @@ class ExchangeBookkeepingTest(unittest.TestCase):
             self.assertAlmostEqual(
                 result.loads[rank], loads[rank] + kernel[rank] + exchange[rank]
             )
+        return result, placement
 
 
 class PricedSplitsPerWindowTest(unittest.TestCase):
