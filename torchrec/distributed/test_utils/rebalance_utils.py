@@ -11,11 +11,11 @@
 Test helpers for the rebalancer: a DLRM whose tables get a controlled load
 (ids per sample per table, changing at a given step), the topology and
 constraints of the planner that made its first plan, and the model with its
-optimizer.
+optimizer; and the statistics of one window for the pure search's tests.
 """
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from torchrec.distributed.planner import (
     Topology,
 )
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
+from torchrec.distributed.resharding.rebalance.statistics import (
+    LoadStatistics,
+    TableLoad,
+)
 from torchrec.distributed.test_utils.model_zoo import equal_tables_dlrm
 from torchrec.distributed.test_utils.multi_process_utils import (
     single_rank_process_group,
@@ -319,6 +323,42 @@ def train_rebalanced(
         rebalancer.step()
     rebalancer.close()
     return losses
+
+
+def window_statistics(
+    ids: Mapping[str, float],
+    compute_seconds: Sequence[float],
+    step_seconds: float,
+    samples_per_rank_step: float = 1.0,
+    path: str = "m",
+) -> LoadStatistics:
+    """
+    A window of ten steps as every rank would measure it, for the pure
+    search's tests: one feature per table (named as the table, one id per
+    sample), no seconds in the input or output dist.
+
+    Args:
+        ids (Mapping[str, float]): table name -> ids per step over all ranks.
+        compute_seconds (Sequence[float]): per rank, kernel seconds per step.
+        step_seconds (float): every rank's step.
+        samples_per_rank_step (float): every table's samples per rank and step.
+        path (str): the module holding the tables.
+
+    Returns:
+        LoadStatistics: the window, its tables sorted by name.
+    """
+    world_size = len(compute_seconds)
+    return LoadStatistics(
+        steps=10,
+        tables=tuple(
+            TableLoad(path, name, (name,), (1.0,), (samples_per_rank_step,), n)
+            for name, n in sorted(ids.items())
+        ),
+        compute_seconds=tuple(compute_seconds),
+        input_dist_seconds=(0.0,) * world_size,
+        output_dist_seconds=(0.0,) * world_size,
+        step_seconds=(step_seconds,) * world_size,
+    )
 
 
 def same_everywhere(value: Any) -> None:

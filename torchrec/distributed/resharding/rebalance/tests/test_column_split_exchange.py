@@ -38,13 +38,13 @@ from torchrec.distributed.resharding.rebalance.exchange_price import (
     ExchangePrice,
     table_exchange,
 )
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
     placement_from_tables,
     TableInfo,
 )
 from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
+from torchrec.distributed.test_utils.rebalance_utils import window_statistics
 
 ROWS, DIM = 64, 16
 BYTES = 8
@@ -223,16 +223,10 @@ class PricedSplitsPerWindowTest(unittest.TestCase):
         tables = [_table(f"t{r:03}", "table_wise", [(r, 0, DIM)]) for r in range(world)]
         placement = placement_from_tables(tables, world)
         ids = [125.0 if r < world // 2 else 12.5 for r in range(world)]
-        stats = LoadStatistics(
-            steps=10,
-            tables=tuple(
-                TableLoad("m", f"t{r:03}", (f"t{r:03}",), (1.0,), (1.0,), ids[r])
-                for r in range(world)
-            ),
-            compute_seconds=tuple(n * DIM * 1e-3 for n in ids),
-            input_dist_seconds=(0.0,) * world,
-            output_dist_seconds=(0.0,) * world,
-            step_seconds=(4.5,) * world,
+        stats = window_statistics(
+            {f"t{r:03}": ids[r] for r in range(world)},
+            [n * DIM * 1e-3 for n in ids],
+            4.5,
         )
         proposal = propose(
             stats,

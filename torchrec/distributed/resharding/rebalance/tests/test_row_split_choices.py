@@ -20,7 +20,6 @@ from typing import Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import propose
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
     placement_from_tables,
@@ -31,6 +30,7 @@ from torchrec.distributed.resharding.rebalance.row_splits import (
     RowCosts,
     search_row_splits,
 )
+from torchrec.distributed.test_utils.rebalance_utils import window_statistics
 
 ROWS, DIM = 64, 16
 BYTES = 8  # per element
@@ -97,17 +97,7 @@ class HotTablesWaitOutTheMovesTest(unittest.TestCase):
         placement = placement_from_tables(tables, 8)
         ids = {"hot": 1000.0, "x": 187.5, "y": 187.5}
         ids.update({f"t{r}": 31.25 for r in range(1, 8)})
-        stats = LoadStatistics(
-            steps=10,
-            tables=tuple(
-                TableLoad("m", name, (name,), (1.0,), (31.25 / 8,), n)
-                for name, n in sorted(ids.items())
-            ),
-            compute_seconds=(22.0,) + (0.5,) * 7,
-            input_dist_seconds=(0.0,) * 8,
-            output_dist_seconds=(0.0,) * 8,
-            step_seconds=(22.5,) * 8,
-        )
+        stats = window_statistics(ids, (22.0,) + (0.5,) * 7, 22.5, 31.25 / 8)
         keys = {f"m:{name}" for name in ids}
         proposal = propose(
             stats,

@@ -27,7 +27,6 @@ import torch
 from torchrec.distributed.resharding.elastic_plan import plan_layouts, validate_new_plan
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import Proposal, propose
-from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
     Placement,
     placement_from_tables,
@@ -44,8 +43,13 @@ from torchrec.distributed.resharding.rebalance.row_splits import (
     RowSplitResult,
     search_row_splits,
 )
+from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
 from torchrec.distributed.sharding_plan import calculate_shard_sizes_and_offsets
-from torchrec.distributed.test_utils.rebalance_utils import EBC_PATH, rebalance_dlrm
+from torchrec.distributed.test_utils.rebalance_utils import (
+    EBC_PATH,
+    rebalance_dlrm,
+    window_statistics,
+)
 from torchrec.distributed.test_utils.reshard_utils import make_plan
 from torchrec.distributed.types import ShardingPlan
 
@@ -242,17 +246,7 @@ class ProposeRowSplitTest(unittest.TestCase):
     def _stats(self, ids: Dict[str, float]) -> LoadStatistics:
         # 1e-3 s per element, 16 columns: 31.25 samples per table and step
         # (1/32 s per column of output on each rank of a row group)
-        return LoadStatistics(
-            steps=10,
-            tables=tuple(
-                TableLoad("m", name, (name,), (1.0,), (31.25 / 8,), n)
-                for name, n in sorted(ids.items())
-            ),
-            compute_seconds=(8.0,) + (1.0,) * 7,
-            input_dist_seconds=(0.0,) * 8,
-            output_dist_seconds=(0.0,) * 8,
-            step_seconds=(8.5,) * 8,
-        )
+        return window_statistics(ids, (8.0,) + (1.0,) * 7, 8.5, 31.25 / 8)
 
     def test_propose_predicts_the_row_split(self) -> None:
         # eight ranks on two hosts of four: hot (500 ids, 8 s) alone on rank
