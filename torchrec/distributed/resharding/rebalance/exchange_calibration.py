@@ -13,7 +13,8 @@ What a row split adds outside the kernels, measured on the running job
 collectives of a row-wise table's ids and output), and TorchRec's
 bucketization of ids by row block, each timed on every rank at the same
 point between steps, the slowest rank's figures agreed by an all-reduce.
-The ``Rebalancer`` calls it once, before its first search that may split;
+The ``Rebalancer`` calls it before each of its first searches that may
+split (``EXCHANGE_CALIBRATIONS``) and prices splits at the median;
 ``exchange_price`` turns the figures into seconds per step (pure).
 """
 
@@ -36,6 +37,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 # timed repeats of each.
 EXCHANGE_CALIBRATION_BYTES: int = 4 * 2**20
 EXCHANGE_CALIBRATION_REPEATS: int = 3
+# The small all-to-all (its latency, which a column split that makes a
+# module's first column-wise table pays five times over) is timed more
+# often: the median of 3 ranged over 0.18-2.0 ms on 2 gloo ranks of a
+# shared host, and a burst of load on 2 of 3 runs decides it. Each run takes
+# about a third of a millisecond there.
+EXCHANGE_LATENCY_REPEATS: int = 25
+# Calibrations the Rebalancer makes (one in each of its first windows that
+# search with splits): their median is the price. With one, on 2 gloo
+# ranks of a shared host, one run in about sixty of the split test kept its
+# hot table whole for good: the split saved 2.8% of the step by its price,
+# 12-20% in the other runs, as a latency ten times the usual would make it.
+EXCHANGE_CALIBRATIONS: int = 3
 
 
 def _timed(run: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -56,6 +69,7 @@ def measure_exchange_price(
     device: torch.device,
     nbytes: int = EXCHANGE_CALIBRATION_BYTES,
     repeats: int = EXCHANGE_CALIBRATION_REPEATS,
+    latency_repeats: int = EXCHANGE_LATENCY_REPEATS,
 ) -> ExchangePrice:
     """
     What the work outside the kernels that a row split adds costs on this
@@ -71,7 +85,9 @@ def measure_exchange_price(
         pg (dist.ProcessGroup): the model's process group.
         device (torch.device): the model's device.
         nbytes (int): bytes of each rank's input to the large exchange.
-        repeats (int): timed runs of each.
+        repeats (int): timed runs of the large exchange and of the
+            bucketization.
+        latency_repeats (int): timed runs of the small exchange.
 
     Returns:
         ExchangePrice: the figures (all 0 on one rank).
@@ -81,14 +97,14 @@ def measure_exchange_price(
         return ExchangePrice()
     count = max(1, nbytes // 4 // world_size) * world_size
     seconds = []
-    for n in (world_size, count):
+    for n, runs in ((world_size, latency_repeats), (count, repeats)):
         send = torch.zeros(n, dtype=torch.float32, device=device)
         receive = torch.empty_like(send)
         seconds.append(
             _timed(
                 lambda: dist.all_to_all_single(receive, send, group=pg),
                 device,
-                repeats,
+                runs,
             )
         )
     rows, batch = 1 << 20, 512

@@ -45,13 +45,18 @@ A column split or merge changes the same bytes (``column_shard_seconds``:
 a shard's holder receives every id of its table, and exchanges its
 columns' output; every rank sends its ids to one shard more or fewer);
 the column split search (``splits``) prices them as the row split search
-prices its own.
+prices its own. A split that makes its module's first column-wise table
+also adds the column-wise sharding's collectives on every rank (TorchRec
+runs each sharding type's dists apart): on 2 gloo ranks, a split priced
+without them was predicted to cut the step by 3% and made it 17% slower
+(``benchmarks/rebalance_benchmark.py --split``).
 
 Ids are ``ID_BYTES`` each, output values and gradients ``VALUE_BYTES``.
 Only the difference between two layouts is used, so what every layout
 exchanges alike (lengths, the dense part) cancels.
 """
 
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple, Union
 
@@ -62,6 +67,11 @@ VALUE_BYTES: int = 4  # a pooled output value or its gradient (fp32)
 # A row sharding's own collectives per step: the ids' all-to-all, the
 # output's reduce-scatter, the gradient's all-gather.
 ROW_COLLECTIVES: int = 3
+# The collectives per step a module's first column-wise table adds on every
+# rank (TorchRec runs a sharding type's input and output dists apart from
+# the others'): its ids' all-to-alls (splits, lengths, values), the
+# output's forward and its gradient's backward.
+COLUMN_SHARDING_COLLECTIVES: int = 5
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,28 @@ class ExchangePrice:
             or self.seconds_per_collective > 0
             or self.seconds_per_id > 0
         )
+
+
+def median_price(prices: Sequence[ExchangePrice]) -> ExchangePrice:
+    """
+    Per figure, the median of several calibrations: a burst of load on a
+    shared host during one of three is left out.
+
+    Args:
+        prices (Sequence[ExchangePrice]): the calibrations (at least one).
+
+    Returns:
+        ExchangePrice: their figures' medians.
+    """
+    if not prices:
+        raise ValueError("median_price needs at least one calibration")
+    return ExchangePrice(
+        seconds_per_byte=statistics.median(p.seconds_per_byte for p in prices),
+        seconds_per_collective=statistics.median(
+            p.seconds_per_collective for p in prices
+        ),
+        seconds_per_id=statistics.median(p.seconds_per_id for p in prices),
+    )
 
 
 @dataclass(frozen=True)
@@ -269,11 +301,15 @@ class ColumnShardSeconds:
             ranks' samples it sends and their gradients it receives.
         everyone (float): every rank, per shard of the table: its own ids
             sent to it.
+        sharding (float): every rank, once, where the split makes its
+            module's first column-wise table: the column-wise sharding's own
+            collectives.
     """
 
     shard: float = 0.0
     column: float = 0.0
     everyone: float = 0.0
+    sharding: float = 0.0
 
 
 def column_shard_seconds(
@@ -289,6 +325,7 @@ def column_shard_seconds(
         shard=ids * (w - 2.0) / w * ID_BYTES * per_byte,
         column=2.0 * samples * (w - 2.0) / w * VALUE_BYTES * per_byte,
         everyone=ids / w * ID_BYTES * per_byte,
+        sharding=price.seconds_per_collective * COLUMN_SHARDING_COLLECTIVES,
     )
 
 

@@ -32,12 +32,15 @@ it through the engine's agreement before they consider it. A reshard that
 fails or aborts leaves the model on its old plan and backs the policy off;
 nothing else in the model changes. ``history`` keeps every decision and
 ``outcomes`` every reshard's predicted against its measured step time.
-With ``split_shards``, the first search also measures, on every rank at the
-same point, what a row split adds outside the kernels
+With ``split_shards``, the first searches also measure, on every rank at the
+same point, what a split adds outside the kernels
 (``measure_exchange_price``: an all-to-all of the group, small and large,
 and TorchRec's bucketization of ids by row block; the slowest rank's
-figures): a row split is then taken only where the slowest rank's kernel
-plus priced exchange seconds fall.
+figures; the first ``EXCHANGE_CALIBRATIONS`` windows that search measure it
+once each, and the median of those so far is the price, so that a burst of
+load during one calibration does not price every later split): a split is
+then taken only where the slowest rank's kernel plus priced exchange seconds
+fall.
 """
 
 import logging
@@ -88,9 +91,13 @@ from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
     ReshardOutcome,
 )
 from torchrec.distributed.resharding.rebalance.exchange_calibration import (
+    EXCHANGE_CALIBRATIONS,
     measure_exchange_price,
 )
-from torchrec.distributed.resharding.rebalance.exchange_price import ExchangePrice
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    ExchangePrice,
+    median_price,
+)
 from torchrec.distributed.resharding.rebalance.monitor import LoadMonitor
 from torchrec.distributed.resharding.rebalance.options import (
     legacy_options,
@@ -282,6 +289,7 @@ class Rebalancer:
         self._replan_digest: int = 0
         self._state: PolicyState = PolicyState()
         self._seconds_per_element: Optional[float] = None
+        self._exchange_prices: List[ExchangePrice] = []
         self._exchange_price: Optional[ExchangePrice] = None
         self._step: int = 0
         self._pending: Optional[RebalanceDecision] = None
@@ -295,11 +303,16 @@ class Rebalancer:
     @property
     def exchange_price(self) -> Optional[ExchangePrice]:
         """
-        What the work outside the kernels that a row split adds costs,
-        measured before the first search that may split tables by rows
-        (None before it).
+        What the work outside the kernels that a split adds costs: the
+        median of the calibrations before the first searches that may split
+        (one each, ``EXCHANGE_CALIBRATIONS`` in all; None before the first).
         """
         return self._exchange_price
+
+    @property
+    def exchange_calibrations(self) -> Tuple[ExchangePrice, ...]:
+        """Each calibration ``exchange_price`` is the median of, in order."""
+        return tuple(self._exchange_prices)
 
     @property
     def monitor(self) -> LoadMonitor:
@@ -441,10 +454,18 @@ class Rebalancer:
         decision: RebalanceDecision,
     ) -> RebalanceDecision:
         split = self.policy.split_shards
-        if split and self._exchange_price is None:  # every rank, same window
-            self._exchange_price = measure_exchange_price(self._pg, self._model.device)
+        if split and len(self._exchange_prices) < EXCHANGE_CALIBRATIONS:
+            # every rank, same window
+            price = measure_exchange_price(self._pg, self._model.device)
+            self._exchange_prices.append(price)
+            self._exchange_price = median_price(self._exchange_prices)
             if self._rank == 0:
-                logger.info("rebalance: row split prices %s", self._exchange_price)
+                logger.info(
+                    "rebalance: split prices %s (calibration %d: %s)",
+                    self._exchange_price,
+                    len(self._exchange_prices),
+                    price,
+                )
         start = time.perf_counter()
         proposal = propose(
             stats,

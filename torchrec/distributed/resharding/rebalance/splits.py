@@ -50,12 +50,14 @@ with its cost per column), and every rank pays the ids it sends to one shard
 more (a lift of every rank's load, after a merge a drop): a split is taken
 only where the slowest rank's kernel plus exchange seconds, the lift
 included, fall by the least cut (a rank tied with it rises by the lift and
-is cut next; barring that, two tied ranks stalled every priced split); the
-proposal is judged whole (``costs.propose``'s saving holds every rank's
-lift). Priced so, a piece of a hot narrow table, whose holder receives every
-one of its ids, costs about what its kernel saves (at 1,024 ranks x 1,000
-tables the cuts the kernels alone asked for raised the slowest rank's kernel
-plus exchange seconds from 26.5 to 33.8 mean ranks).
+is cut next; barring that, two tied ranks stalled every priced split); a
+split that makes its module's first column-wise table also lifts every rank
+by that sharding's own collectives; the proposal is judged whole
+(``costs.propose``'s saving holds every rank's lift). Priced so, a piece of
+a hot narrow table, whose holder receives every one of its ids, costs about
+what its kernel saves (at 1,024 ranks x 1,000 tables the cuts the kernels
+alone asked for raised the slowest rank's kernel plus exchange seconds from
+26.5 to 33.8 mean ranks).
 """
 
 from dataclasses import dataclass, replace
@@ -209,6 +211,14 @@ class _Splits(LoadHeaps):
         for t, seconds in self.priced.items():
             self.per_col[t] += seconds.column
             self.fixed[t] += seconds.shard
+        # the modules holding a column-wise table: a split of a table of any
+        # other module adds the column-wise sharding's collectives
+        column_wise = ShardingType.COLUMN_WISE.value
+        self.column_wise_paths: Set[str] = {
+            table.path
+            for table in placement.tables
+            if table.sharding_type == column_wise
+        }
         self.exchange: List[float] = [0.0] * world_size
         self.lift = 0.0
         self.split_tables: Set[int] = set()
@@ -218,6 +228,21 @@ class _Splits(LoadHeaps):
     def seconds(self, t: int) -> ColumnShardSeconds:
         """What a column shard of table ``t`` adds outside the kernels (nothing unpriced)."""
         return self.priced.get(t, UNPRICED)
+
+    def split_lift(self, t: int, also: int = -1) -> float:
+        """
+        What a split of table ``t`` adds to every rank: its ids sent to one
+        shard more, and the column-wise sharding's collectives where it
+        makes its module's first column-wise table (not where table
+        ``also``, split in the same step, makes it).
+        """
+        seconds = self.seconds(t)
+        path = self.placement.tables[t].path
+        if path in self.column_wise_paths or (
+            also >= 0 and self.placement.tables[also].path == path
+        ):
+            return seconds.everyone
+        return seconds.everyone + seconds.sharding
 
     def room(self, s: int, d: int, nbytes: int) -> bool:
         """Whether ``d`` can take ``nbytes`` more within memory and the move budget."""
@@ -250,7 +275,7 @@ class _Splits(LoadHeaps):
             per_col, fixed = self.per_col[t], self.fixed[t]
             if per_col <= 0:
                 continue
-            lift = self.seconds(t).everyone
+            lift = self.split_lift(t)
             for k, (rank, _, cols) in enumerate(self.shards[t]):
                 if rank != s or cols < 2 * align or cols % align:
                     continue
@@ -343,7 +368,7 @@ class _Splits(LoadHeaps):
                         options.append((piece, per_col * piece, cols - piece))
                     for width, shed, kept in options:
                         gained = shed + (fixed if kept else 0.0)
-                        lift = self.seconds(u).everyone if kept else 0.0
+                        lift = self.split_lift(u, also=t) if kept else 0.0
                         higher = max(after - shed, self.load[e] + gained)
                         if higher + lift >= ceiling or higher + lift > limit:
                             continue
@@ -446,9 +471,10 @@ class _Splits(LoadHeaps):
         nbytes = int(self.bytes_per_col[t] * right)
         seconds = self.seconds(t)
         columns = seconds.column * right
+        self.lift += self.split_lift(t)
+        self.column_wise_paths.add(self.placement.tables[t].path)
         self.exchange[s] -= columns
         self.exchange[d] += columns + seconds.shard
-        self.lift += seconds.everyone
         self.shards[t][k] = [rank, col, left]
         self.shards[t].append([d, col + left, right])
         self.holders[t].add(d)

@@ -16,7 +16,9 @@ exchange seconds the search reports equal the kernels moved plus each rank's exc
 and after, read off the layouts by ``table_exchange`` (not by the
 search's own sums); ranks tied at the top do not stall priced splits;
 priced, a window makes at most half the group's ranks' worth of column
-splits (at least ``PRICED_SPLITS_LEAST``). The random placements make
+splits (at least ``PRICED_SPLITS_LEAST``); a split that makes its module's
+first column-wise table lifts every rank by that sharding's collectives,
+once per module. The random placements make
 merges and hand shards on whole to make room, so that every step's
 bookkeeping is checked.
 """
@@ -34,8 +36,10 @@ from torchrec.distributed.resharding.rebalance.costs import (
 )
 from torchrec.distributed.resharding.rebalance.exchange_price import (
     column_shard_seconds,
+    COLUMN_SHARDING_COLLECTIVES,
     ColumnShardSeconds,
     ExchangePrice,
+    median_price,
     table_exchange,
 )
 from torchrec.distributed.resharding.rebalance.placement import (
@@ -51,12 +55,34 @@ BYTES = 8
 IDS, SAMPLES = 1000.0, 32.0
 
 
-def _table(name: str, kind: str, shards: Sequence[Tuple[int, int, int]]) -> TableInfo:
+def _table(
+    name: str, kind: str, shards: Sequence[Tuple[int, int, int]], path: str = "m"
+) -> TableInfo:
     """A table of ROWS x DIM whose shards are (rank, col, cols)."""
     layout = TableLayout(
         ROWS, DIM, tuple(PlacedShard(r, Rect(0, c, ROWS, w)) for r, c, w in shards)
     )
-    return TableInfo("m", name, kind, layout, BYTES)
+    return TableInfo(path, name, kind, layout, BYTES)
+
+
+def _bytes_seconds(
+    placement: Placement,
+    layouts: Dict[str, TableLayout],
+    ids: Sequence[float],
+    per_byte: float,
+) -> List[float]:
+    """Per rank, the seconds of the bytes the new layouts change (``table_exchange``)."""
+    world = placement.world_size
+    out = [0.0] * world
+    for t, table in enumerate(placement.tables):
+        after = layouts.get(table.key)
+        if after is None:
+            continue
+        old = table_exchange(table.layout, world, ids[t], SAMPLES)
+        new = table_exchange(after, world, ids[t], SAMPLES)
+        for rank in range(world):
+            out[rank] += (new.of(rank) - old.of(rank)) * per_byte
+    return out
 
 
 def _exchange(
@@ -193,7 +219,6 @@ class ExchangeBookkeepingTest(unittest.TestCase):
             exchange=_exchange(placement, ids, price),
         )
         kernel = [0.0] * world
-        exchange = [0.0] * world
         for t, table in enumerate(placement.tables):
             after = result.layouts.get(table.key)
             if after is None:
@@ -202,16 +227,99 @@ class ExchangeBookkeepingTest(unittest.TestCase):
                 kernel[shard.rank] -= cols[t] * shard.rect.cols
             for shard in after.shards:
                 kernel[shard.rank] += cols[t] * shard.rect.cols
-            old = table_exchange(table.layout, world, ids[t], SAMPLES)
-            new = table_exchange(after, world, ids[t], SAMPLES)
-            for rank in range(world):
-                exchange[rank] += (new.of(rank) - old.of(rank)) * price.seconds_per_byte
+        exchange = _bytes_seconds(
+            placement, result.layouts, ids, price.seconds_per_byte
+        )
         for rank in range(world):
             self.assertAlmostEqual(result.exchange_seconds[rank], exchange[rank])
             self.assertAlmostEqual(
                 result.loads[rank], loads[rank] + kernel[rank] + exchange[rank]
             )
         return result, placement
+
+
+class ColumnShardingCollectivesTest(unittest.TestCase):
+    """
+    A split that makes its module's first column-wise table lifts every
+    rank by the column-wise sharding's collectives, once per module.
+    """
+
+    PER_BYTE = 1e-6
+
+    def _search(
+        self, tables: List[TableInfo], hot: Sequence[int], collective: float
+    ) -> Tuple[SplitResult, Placement, List[float]]:
+        # four ranks; the hot ranks hold a table of 16 s, the others 2 s
+        placement = placement_from_tables(tables, 4)
+        costs = [(1.0 if u.rank in hot else 0.125) * u.work for u in placement.units]
+        loads = [0.0] * 4
+        for unit, cost in zip(placement.units, costs):
+            loads[unit.rank] += cost
+        ids = [IDS] * len(placement.tables)
+        price = ExchangePrice(self.PER_BYTE, collective)
+        result = search_splits(
+            placement,
+            loads,
+            costs,
+            [1e12] * 4,
+            {t.key for t in placement.tables if t.name.startswith("hot")},
+            exchange=_exchange(placement, ids, price),
+        )
+        return (
+            result,
+            placement,
+            _bytes_seconds(placement, result.layouts, ids, self.PER_BYTE),
+        )
+
+    def _whole(self, path: str = "m") -> List[TableInfo]:
+        tables = [_table("hot", "table_wise", [(0, 0, DIM)])]
+        tables += [
+            _table(f"c{r}", "table_wise", [(r, 0, DIM)], path) for r in (1, 2, 3)
+        ]
+        return tables
+
+    def _assert_lift(
+        self, result: SplitResult, bytes_seconds: List[float], lift: float
+    ) -> None:
+        for rank, seconds in enumerate(bytes_seconds):
+            self.assertAlmostEqual(result.exchange_seconds[rank], seconds + lift)
+
+    def test_the_figure_is_the_collectives_at_the_measured_latency(self) -> None:
+        figures = column_shard_seconds(4, IDS, SAMPLES, ExchangePrice(0.0, 0.25))
+        self.assertEqual(figures.sharding, COLUMN_SHARDING_COLLECTIVES * 0.25)
+        self.assertEqual(COLUMN_SHARDING_COLLECTIVES, 5)
+
+    def test_the_first_column_wise_table_pays_them(self) -> None:
+        result, _, bytes_seconds = self._search(self._whole(), [0], 0.1)
+        self.assertIn("m:hot", result.layouts)
+        self._assert_lift(result, bytes_seconds, 5 * 0.1)
+
+    def test_collectives_worth_more_than_the_cut_keep_the_table_whole(self) -> None:
+        # the hot rank's 16 s would fall to about 9 s; 5 x 2 s on every
+        # rank leaves it higher than before
+        result, _, _ = self._search(self._whole(), [0], 2.0)
+        self.assertEqual(result.layouts, {})
+        self.assertEqual(self._search(self._whole(), [0], 0.0)[0].splits > 0, True)
+
+    def test_only_a_module_already_column_wise_pays_them_no_more(self) -> None:
+        for path, lift in (("m", 0.0), ("n", 5 * 0.1)):
+            with self.subTest(column_wise_module=path):
+                tables = self._whole()
+                tables[1] = _table("c1", "column_wise", [(1, 0, 8), (2, 8, 8)], path)
+                result, _, bytes_seconds = self._search(tables, [0], 0.1)
+                self.assertIn("m:hot", result.layouts)
+                self._assert_lift(result, bytes_seconds, lift)
+
+    def test_two_tables_of_one_module_split_pay_them_once(self) -> None:
+        tables = [
+            _table("hot0", "table_wise", [(0, 0, DIM)]),
+            _table("hot1", "table_wise", [(1, 0, DIM)]),
+            _table("c2", "table_wise", [(2, 0, DIM)]),
+            _table("c3", "table_wise", [(3, 0, DIM)]),
+        ]
+        result, _, bytes_seconds = self._search(tables, [0, 1], 0.01)
+        self.assertEqual(set(result.layouts), {"m:hot0", "m:hot1"})
+        self._assert_lift(result, bytes_seconds, 5 * 0.01)
 
 
 class PricedSplitsPerWindowTest(unittest.TestCase):
@@ -245,6 +353,27 @@ class PricedSplitsPerWindowTest(unittest.TestCase):
         self.assertGreater(self._propose(ExchangePrice()), cap)
         # a price too small to change any split: only the cap limits them
         self.assertEqual(self._propose(ExchangePrice(1e-15)), cap)
+
+
+class MedianPriceTest(unittest.TestCase):
+    def test_each_figure_is_the_median_of_the_calibrations(self) -> None:
+        usual = ExchangePrice(5e-10, 3e-4, 2e-8)
+        # a burst during one calibration: every figure of it far above
+        burst = ExchangePrice(5e-8, 4e-3, 2e-6)
+        low = ExchangePrice(4e-10, 2e-4, 3e-8)
+        self.assertEqual(median_price([usual]), usual)
+        self.assertEqual(
+            median_price([usual, burst, low]), ExchangePrice(5e-10, 3e-4, 3e-8)
+        )
+        self.assertEqual(
+            median_price([burst, low, usual]), median_price([usual, burst, low])
+        )
+        # figures taken apart: the median of each, not of one calibration
+        mixed = [ExchangePrice(1.0, 6.0, 2.0), ExchangePrice(2.0, 4.0, 3.0)]
+        mixed.append(ExchangePrice(3.0, 5.0, 1.0))
+        self.assertEqual(median_price(mixed), ExchangePrice(2.0, 5.0, 2.0))
+        with self.assertRaisesRegex(ValueError, "at least one calibration"):
+            median_price([])
 
 
 if __name__ == "__main__":
