@@ -29,6 +29,13 @@ Runs, from the same start (same weights, plan A, batches):
   not reshard);
 * ``monitored``   (``--runs``) plan A with a ``LoadMonitor``: its overhead.
 
+With ``--split`` (issue 34), only the first of plan A's tables on rank 0
+gets ``--hot-pf``: one table hotter than the mean rank, which moving whole
+tables cannot fix (it only changes ranks). The constraints allow
+column-wise sharding, the policy has ``split_shards`` on, and the results
+go to ``rebalance_benchmark_split.{json,png}``: the prediction of a split's
+step time against the step measured after it.
+
 Time is measured over blocks of ``--block`` steps between barriers: the
 runs take turns block by block (the order rotates), each block starts and
 ends with a barrier of the two ranks, so no block carries the skew another
@@ -88,10 +95,15 @@ def pooling_before(args: argparse.Namespace) -> List[float]:
 
 
 def pooling_after(args: argparse.Namespace, plan_a: Any) -> List[float]:
-    """The tables plan A put on rank 0 hot, the others cold."""
+    """
+    The tables plan A put on rank 0 hot (``--split``: the first of them
+    only), the others cold.
+    """
+    hot = [i for i in range(args.tables) if plan_a.plan[EBC][f"t{i}"].ranks == [0]]
+    if args.split:
+        hot = hot[:1]
     return [
-        float(args.hot_pf if plan_a.plan[EBC][f"t{i}"].ranks == [0] else args.cold_pf)
-        for i in range(args.tables)
+        float(args.hot_pf if i in hot else args.cold_pf) for i in range(args.tables)
     ]
 
 
@@ -122,12 +134,14 @@ def topology() -> Any:
     return Topology(world_size=world, compute_device="cpu", local_world_size=world)
 
 
-def constraints(pooling: Sequence[float]) -> Dict[str, Any]:
+def constraints(pooling: Sequence[float], split: bool = False) -> Dict[str, Any]:
+    """Table-wise tables (``split``: or column-wise) of the given pooling."""
     from torchrec.distributed.planner import ParameterConstraints
 
+    kinds = ["table_wise", "column_wise"] if split else ["table_wise"]
     return {
         f"t{i}": ParameterConstraints(
-            sharding_types=["table_wise"],
+            sharding_types=kinds,
             compute_kernels=["fused"],
             pooling_factors=[p],
         )
@@ -142,7 +156,7 @@ def plan_for(args: argparse.Namespace, pooling: Sequence[float]) -> Any:
     planner = EmbeddingShardingPlanner(
         topology=topology(),
         batch_size=args.batch,
-        constraints=constraints(pooling),
+        constraints=constraints(pooling, args.split),
         stats=[],
         debug=False,
     )
@@ -238,13 +252,14 @@ class Run:
                 hysteresis=2,
                 min_interval=args.min_interval,
                 horizon=args.horizon,
+                split_shards=args.split,
             )
             self.rebalancer = Rebalancer(
                 self.model,
                 topology(),
                 policy,
                 batch_size=args.batch,
-                constraints=constraints(before),
+                constraints=constraints(before, args.split),
             )
             self.monitor = self.rebalancer.monitor
         elif name == "monitored":
@@ -486,6 +501,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--min-interval", type=int, default=50)
     p.add_argument("--horizon", type=int, default=1000)
     p.add_argument("--runs", default=",".join(DEFAULT_RUNS))
+    p.add_argument(
+        "--split",
+        action="store_true",
+        help="one hot table, which only a split fixes (column-wise allowed)",
+    )
     args = p.parse_args(argv)
     args.runs = [r for r in args.runs.split(",") if r]
     unknown = set(args.runs) - set(RUNS)
@@ -507,7 +527,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     print(
         f"rebalance benchmark: 2 gloo ranks, {args.tables} tables x {args.rows} x "
         f"{args.dim}, batch {args.batch}/rank, {args.cold_pf:g} ids/sample, "
-        f"{args.hot_pf:g} on rank 0's tables from step {args.change}; "
+        f"{args.hot_pf:g} on rank 0's {'first table' if args.split else 'tables'} "
+        f"from step {args.change}; "
         f"{args.steps} steps in blocks of {args.block}",
         flush=True,
     )
@@ -532,7 +553,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 print("   ", line)
     save_results(
         args.out_dir,
-        "rebalance_benchmark",
+        "rebalance_benchmark_split" if args.split else "rebalance_benchmark",
         {
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
             "args": vars(args),
