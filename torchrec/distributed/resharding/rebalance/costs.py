@@ -77,6 +77,13 @@ from torchrec.distributed.resharding.rebalance.search import (
     search_moves,
     SearchResult,
 )
+from torchrec.distributed.resharding.rebalance.split_level import (
+    column_options,
+    LayoutOption,
+    row_options,
+    split_level,
+    SplitLevel,
+)
 from torchrec.distributed.resharding.rebalance.splits import (
     ALIGN,
     search_splits,
@@ -407,7 +414,10 @@ def propose(
     The incremental search on one window's statistics (moves and swaps, then
     row splits of the ``row_splittable`` tables the moves left as they are
     and column splits cannot fix, then column splits of the ``splittable``
-    ones not split by rows). Such a table the column splits can still cut
+    ones not split by rows). Where the exchange is priced, a hot table is
+    split by rows only where its cheapest layout at the level the hot
+    tables allow is by rows (``split_level``), and the row splits aim at
+    that level. Such a table the column splits can still cut
     is held in place during the moves (``_moves_holding``).
 
     Args:
@@ -469,6 +479,9 @@ def propose(
         used[rank] += unit.nbytes
     index = {t.key: i for i, t in enumerate(placement.tables)}
     rows: Optional[RowSplitResult] = None
+    row_costs = row_split_costs(
+        placement, ids, samples, seconds_per_element, lookup_columns
+    )
     allowed = _column_bound(
         placement,
         row_splittable or {},
@@ -476,15 +489,32 @@ def propose(
         narrowest,
         sum(loads) / max(len(loads), 1),
     )
+    level: Optional[SplitLevel] = None
+    if allowed and exchange_price is not None and exchange_price.priced:
+        level = _split_level(
+            placement,
+            allowed,
+            sum(loads)
+            + sum(
+                _every_holder_exchange(placement, where, ids, samples, exchange_price)
+            ),
+            where,
+            ids,
+            samples,
+            row_costs,
+            seconds_per_element,
+            lookup_columns,
+            local_world_size or placement.world_size,
+            exchange_price,
+        )
+        allowed = {t: kinds for t, kinds in allowed.items() if t in level.by_rows}
     if allowed:
         rows = search_row_splits(
             placement,
             loads,
             costs,
             capacity,
-            row_split_costs(
-                placement, ids, samples, seconds_per_element, lookup_columns
-            ),
+            row_costs,
             allowed,
             where=where,
             used=used,
@@ -494,6 +524,7 @@ def propose(
             local_world_size=local_world_size,
             volumes={t: (ids[t], samples[t]) for t in allowed},
             price=exchange_price,
+            level=level.level if level is not None else 0.0,
         )
         _take_off(placement, where, ids, lookup_columns, rows.layouts, after, used)
         for key, layout in rows.layouts.items():
@@ -713,6 +744,76 @@ def _moves_holding(
         lower_bound=lower_bound(loads, units, costs),
         mean_load=sum(loads) / max(len(loads), 1),
     )
+
+
+def _every_holder_exchange(
+    placement: Placement,
+    where: Sequence[int],
+    ids: Sequence[float],
+    samples: Sequence[float],
+    price: Optional[ExchangePrice],
+) -> List[float]:
+    """
+    ``_holder_exchange`` of every table (none where the exchange is not
+    priced).
+    """
+    if price is None or not price.priced:
+        return [0.0] * placement.world_size
+    keys = {table.key for table in placement.tables}
+    columns = _column_exchange(placement, ids, samples, keys, price)
+    assert columns is not None
+    return _holder_exchange(placement, where, ids, samples, price, columns)
+
+
+def _split_level(
+    placement: Placement,
+    hot: Mapping[int, Tuple[str, ...]],
+    total: float,
+    where: Sequence[int],
+    ids: Sequence[float],
+    samples: Sequence[float],
+    row_costs: Mapping[int, RowCosts],
+    seconds_per_element: float,
+    lookup_columns: float,
+    local_world_size: int,
+    price: Optional[ExchangePrice],
+) -> SplitLevel:
+    """
+    ``split_level`` of the ``hot`` tables (by index, with the row sharding
+    types allowed), each whole or in column shards now (at ``where``), in
+    every column and row layout it may take, ``total`` the seconds of all
+    ranks together now.
+    """
+    shards: Dict[int, List[int]] = {t: [] for t in hot}
+    for unit, rank in zip(placement.units, where):
+        if unit.table in shards:
+            shards[unit.table].append(rank)
+    world_size = placement.world_size
+    options: Dict[int, List[LayoutOption]] = {}
+    for t, kinds in hot.items():
+        layout = placement.tables[t].layout
+        options[t] = column_options(
+            layout.cols,
+            len(shards[t]),
+            ids[t],
+            samples[t],
+            world_size,
+            seconds_per_element,
+            lookup_columns,
+            price,
+        ) + row_options(
+            layout,
+            len(shards[t]),
+            ids[t],
+            samples[t],
+            row_costs[t],
+            world_size,
+            local_world_size,
+            kinds,
+            shards[t],
+            price,
+        )
+    return split_level(total, world_size, options)
 
 
 def _column_bound(

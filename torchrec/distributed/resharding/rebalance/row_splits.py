@@ -45,7 +45,11 @@ all-gather of its gradient) is priced at the figures the job measured
 (``price``) on every rank it changes: the search takes a row split only
 where it cuts the slowest rank's kernel plus exchange seconds (ranked by
 the ranks it changes; every other rank's share only bars it); the loads
-it returns hold both. A candidate is built only where a lower bound of
+it returns hold both. Given the level the window's splits aim for
+(``split_level.split_level``), a split whose loaded ranks stay within it
+is ranked by what it adds to all ranks instead: a wider layout lowers no
+rank that bounds the step there, and its ranks' fixed costs raise the
+mean rank. A candidate is built only where a lower bound of
 its peak (the most loaded rank it adds, with the smallest block, less the
 most the exchange can save it) falls below the ceiling and the best score
 so far: the same splits, without building the whole-group layouts (a
@@ -242,6 +246,7 @@ class _RowSplits(LoadHeaps):
         local_world_size: int,
         volumes: Mapping[int, Tuple[float, float]],
         price: ExchangePrice,
+        level: float,
     ) -> None:
         super().__init__(loads)
         self.placement = placement
@@ -275,6 +280,7 @@ class _RowSplits(LoadHeaps):
         self.layouts: Dict[int, Tuple[str, Grid]] = {}
         self.volumes = volumes
         self.price = price
+        self.level = level
         self.exchange: List[float] = [0.0] * world_size
         self.row_blocks: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
 
@@ -488,11 +494,14 @@ class _RowSplits(LoadHeaps):
         relieves keep what else they hold whatever the layout, so ranking
         by them ties every layout of a table and took the first (one host's
         eight ranks for a table worth 33 mean ranks, where a grid over 16
-        hosts left each rank a quarter of one). A candidate whose
-        ``least_peak`` already reaches the ceiling or the best score so far
-        is not built (its score is at least that bound; an equal score
-        loses to the lower index, and whole-group ones, the costliest to
-        build, are built last).
+        hosts left each rank a quarter of one). Splits whose score is
+        within the level (``self.level``, ``split_level``) come first,
+        ranked by what they add to all ranks plus their bytes' price. A
+        candidate whose ``least_peak`` already reaches the ceiling, or the
+        best score so far (the level, once a split within it is found), is
+        not built (its score is at least that bound; an equal score loses
+        to the lower index, and whole-group ones, the costliest to build,
+        are built last).
         """
         best: Optional[Tuple[float, int, int, str, Grid, Outcome]] = None
         world_size = len(self.load)
@@ -509,9 +518,15 @@ class _RowSplits(LoadHeaps):
             for t in sorted(holders)
             for n, (kind, grid) in enumerate(self.candidates(t, hosts))
         ]
+        level = self.level
+        best_key: Optional[Tuple[int, float, int, int]] = None
         for _, t, n, kind, grid in sorted(tried, key=lambda c: c[:3]):
             bound = self.least_peak(t, grid, holders[t], order, host_peak)
-            if bound >= ceiling or (best is not None and bound > best[0]):
+            if bound >= ceiling:
+                continue
+            if best_key is not None and bound > (
+                level if best_key[0] == 0 else best_key[1]
+            ):
                 continue
             result = self.outcome(t, grid, ceiling)
             if result is None:
@@ -526,9 +541,22 @@ class _RowSplits(LoadHeaps):
                 rest = self.highest_other(order, result[2]) + others
             if max(peak, rest) >= ceiling or peak + cost >= ceiling:
                 continue
-            if best is None or (score, t, n) < best[:3]:
+            # within the level, a wider layout lowers no rank that bounds
+            # the step: the least added to all ranks wins (``split_level``)
+            if score <= level:
+                here = (0, self.added(result) + cost, t, n)
+            else:
+                here = (1, score, t, n)
+            if best_key is None or here < best_key:
+                best_key = here
                 best = (score, t, n, kind, grid, result)
         return best
+
+    def added(self, result: Outcome) -> float:
+        """The seconds a split's ``result`` adds to all ranks together."""
+        load, others = result[2], result[5]
+        change = sum(value - self.load[rank] for rank, value in load.items())
+        return change + others * (len(self.load) - len(load))
 
     def apply(self, t: int, kind: str, grid: Grid, result: Outcome) -> None:
         """Lays table ``t`` out as ``grid`` (of type ``kind``), ``result`` its outcome."""
@@ -586,6 +614,7 @@ def search_row_splits(
     max_splits: Optional[int] = None,
     volumes: Optional[Mapping[int, Tuple[float, float]]] = None,
     price: Optional[ExchangePrice] = None,
+    level: float = 0.0,
 ) -> RowSplitResult:
     """
     Spreads hot tables by rows (over one host's ranks, the whole group, or
@@ -624,6 +653,10 @@ def search_row_splits(
             exchange's bytes; a table without them is priced no exchange).
         price (Optional[ExchangePrice]): the measured figures that price
             the work outside the kernels a split adds (None: not priced).
+        level (float): the level the splits aim for (``split_level``): a
+            split whose loaded ranks stay within it is ranked by what it
+            adds to all ranks, the least first, ahead of any other, ranked
+            by its loaded ranks' highest load (0: every split by that).
 
     Returns:
         RowSplitResult: the split tables' layouts and the loads after.
@@ -655,6 +688,7 @@ def search_row_splits(
         lws,
         volumes or {},
         price or ExchangePrice(),
+        level,
     )
     before = max(loads, default=0.0)
     if loads and before > 0:

@@ -12,8 +12,9 @@ The row split search prunes a candidate by a lower bound of its peak
 before it builds the candidate's layout: differential against a search
 that builds and scores every candidate (the same state, no pruning) on
 random placements of hot tables over hosts, priced and not, with and
-without a byte price; the two take the same splits and leave the same
-loads, bytes and exchange seconds.
+without a byte price, with and without a level (splits within it ranked by
+what they add to all ranks); the two take the same splits and leave the
+same loads, bytes and exchange seconds.
 """
 
 import random
@@ -45,6 +46,7 @@ class _Exhaustive(_RowSplits):
         self, s: int, ceiling: float
     ) -> Optional[Tuple[float, int, int, str, Grid, Outcome]]:
         best: Optional[Tuple[float, int, int, str, Grid, Outcome]] = None
+        best_key: Optional[Tuple[int, float, int, int]] = None
         for t in sorted(self.on[s]):
             if t in self.layouts:
                 continue
@@ -60,7 +62,12 @@ class _Exhaustive(_RowSplits):
                     rest = max(others, default=0.0) + result[5]
                 if max(result[0], rest) >= ceiling or result[0] + cost >= ceiling:
                     continue
-                if best is None or (score, t, n) < best[:3]:
+                if score <= self.level:
+                    key = (0, self.added(result) + cost, t, n)
+                else:
+                    key = (1, score, t, n)
+                if best_key is None or key < best_key:
+                    best_key = key
                     best = (score, t, n, kind, grid, result)
         return best
 
@@ -117,6 +124,7 @@ def _state(
     price: ExchangePrice,
     byte_price: float,
     capacity: float,
+    level: float,
 ) -> _RowSplits:
     placement, loads, costs, row_costs, heat = _case(seed, world_size)
     mean = sum(loads) / world_size
@@ -136,6 +144,7 @@ def _state(
         HOST,
         {t: (1e6 * heat[t], 1e4) for t in allowed},
         price,
+        level * mean,
     )
     state.run(mean * (1.0 + 1e-9), 0.005, world_size // HOST)
     return state
@@ -149,20 +158,35 @@ class PruningTest(unittest.TestCase):
             ExchangePrice(1e-7, 1e-3, 1e-8),
         )
         splits = 0
+        leveled = 0  # cases the level changed
         for seed in range(12):
             for world_size in (16, 32):
                 for price in prices:
                     for byte_price, capacity in ((0.0, 1e12), (1e-6, 2e5)):
-                        args = (seed, world_size, price, byte_price, capacity)
-                        pruned = _state(_RowSplits, *args)
-                        every = _state(_Exhaustive, *args)
-                        self.assertEqual(pruned.layouts, every.layouts, args)
-                        self.assertEqual(pruned.load, every.load, args)
-                        self.assertEqual(pruned.used, every.used, args)
-                        self.assertEqual(pruned.traffic, every.traffic, args)
-                        self.assertEqual(pruned.exchange, every.exchange, args)
-                        splits += len(pruned.layouts)
+                        unleveled: Dict[int, Tuple[str, Grid]] = {}
+                        for level in (0.0, 1.5):
+                            args = (
+                                seed,
+                                world_size,
+                                price,
+                                byte_price,
+                                capacity,
+                                level,
+                            )
+                            pruned = _state(_RowSplits, *args)
+                            every = _state(_Exhaustive, *args)
+                            self.assertEqual(pruned.layouts, every.layouts, args)
+                            self.assertEqual(pruned.load, every.load, args)
+                            self.assertEqual(pruned.used, every.used, args)
+                            self.assertEqual(pruned.traffic, every.traffic, args)
+                            self.assertEqual(pruned.exchange, every.exchange, args)
+                            splits += len(pruned.layouts)
+                            if level == 0.0:
+                                unleveled = pruned.layouts
+                            elif pruned.layouts != unleveled:
+                                leveled += 1
         self.assertGreater(splits, 0)  # the cases split tables
+        self.assertGreater(leveled, 0)  # and the level changed some
 
 
 if __name__ == "__main__":

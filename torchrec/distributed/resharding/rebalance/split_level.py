@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+# Copyright (c) Meta Platforms, Inc. and affiliates.
+# All rights reserved.
+#
+# This source code is licensed under the BSD-style license found in the
+# LICENSE file in the root directory of this source tree.
+
+# pyre-strict
+
+"""
+Pure: the level the window's splits aim for, and which hot tables reach it
+by rows.
+
+A hot table can be laid out many ways: column-wise in more shards, row-wise
+over a host or the group, a grid of column blocks over hosts. The narrower
+the pieces, the lower the busiest rank it loads, and the more it adds to all
+ranks together: every column shard receives every id of its table, every
+rank of a row group writes the pooled output of the global batch for its
+columns, every rank bucketizes its ids for each block spread by rows and
+joins the row sharding's collectives. Searching split by split for the
+lowest busiest rank takes the widest spread each time: at 1,024 ranks x 100
+tables on a Zipf 1.1 load, grids over 256 ranks where 128 left each rank
+below the step the rest allowed, and grids for tables a column split fits,
+at about three times the column split's total: the mean rank, below which
+no plan's slowest rank can go, rose 24% above the level reachable.
+
+``split_level`` finds that level first: the least ``X`` at which every hot
+table has a layout whose busiest rank is at most ``X`` and the mean rank,
+each such table in its cheapest layout (least added to all ranks) whose
+busiest rank is at most ``X``, is at most ``X``. The tables whose cheapest
+layout at that level is by rows go to the row split search, which ranks a
+split whose ranks stay within the level by what it adds to all ranks; the
+rest are left to the column splits. Each layout is priced as the search
+prices it (``RowCosts``, ``ColumnShardSeconds``, ``row_split_seconds``),
+apart from what else its ranks hold: the moves and splits place it.
+"""
+
+import bisect
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
+
+from torchrec.distributed.resharding.plan import TableLayout
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    Blocks,
+    column_shard_seconds,
+    ExchangePrice,
+    row_split_seconds,
+)
+from torchrec.distributed.resharding.rebalance.row_splits import (
+    grid_blocks,
+    host_ranks,
+    row_blocks,
+    RowCosts,
+)
+from torchrec.distributed.resharding.rebalance.splits import ALIGN
+from torchrec.distributed.types import ShardingType
+
+# halvings of the interval between the level's bounds (2^-40 of it: far
+# below any difference in seconds the search can tell)
+LEVEL_STEPS: int = 40
+
+
+@dataclass(frozen=True)
+class LayoutOption:
+    """
+    One layout a hot table may take, as the level weighs it.
+
+    Args:
+        peak (float): seconds per step it puts on its busiest rank, kernel
+            and exchange.
+        added (float): seconds per step it adds to all ranks together over
+            the table's layout now (negative: it saves).
+        by_rows (bool): a row layout (row-wise, table-row-wise or grid).
+    """
+
+    peak: float
+    added: float
+    by_rows: bool
+
+
+@dataclass(frozen=True)
+class SplitLevel:
+    """
+    The level of the window's splits.
+
+    Args:
+        level (float): the least slowest rank the hot tables' layouts allow
+            (``split_level``), in the loads' seconds.
+        by_rows (FrozenSet[int]): the tables whose cheapest layout at that
+            level is by rows.
+    """
+
+    level: float
+    by_rows: FrozenSet[int]
+
+
+def column_options(
+    cols: int,
+    shards_now: int,
+    ids: float,
+    samples: float,
+    world_size: int,
+    seconds_per_element: float,
+    lookup_columns: float,
+    price: Optional[ExchangePrice],
+) -> List[LayoutOption]:
+    """
+    A table of ``cols`` columns in ``shards_now`` column shards spanning
+    every row, as ``k`` column shards of widths that are multiples of
+    ``ALIGN`` (``k`` from 1, whole, to ``cols / ALIGN``).
+
+    Args:
+        cols (int): its columns.
+        shards_now (int): its column shards now (1: whole).
+        ids (float): its ids per step over all ranks.
+        samples (float): its samples per step over all ranks.
+        world_size (int): ranks of the group.
+        seconds_per_element (float): the calibrated slope.
+        lookup_columns (float): a shard's fixed cost per id, in columns.
+        price (Optional[ExchangePrice]): the exchange's figures (None or
+            unpriced: kernels only).
+
+    Returns:
+        List[LayoutOption]: one per distinct widest shard.
+    """
+    per_id = ids * seconds_per_element
+    shard = column = everyone = 0.0
+    if price is not None and price.priced:
+        seconds = column_shard_seconds(world_size, ids, samples, price)
+        shard, column = seconds.shard, seconds.column
+        everyone = seconds.everyone * world_size
+
+    def total(k: int) -> float:
+        return (
+            per_id * (cols + k * lookup_columns)
+            + k * (shard + everyone)
+            + (column * cols)
+        )
+
+    now = total(shards_now)
+    out: List[LayoutOption] = []
+    widths = set()
+    for k in range(1, max(1, cols // ALIGN) + 1):
+        width = cols if k == 1 else -(-cols // k // ALIGN) * ALIGN
+        if width in widths or width <= 0:
+            continue
+        widths.add(width)
+        count = -(-cols // width)
+        peak = per_id * (width + lookup_columns) + shard + column * width
+        out.append(LayoutOption(peak, total(count) - now, False))
+    return out
+
+
+def row_layouts(
+    cols: int,
+    rows: int,
+    world_size: int,
+    local_world_size: int,
+    kinds: Sequence[str],
+    holders: Sequence[int],
+) -> List[Blocks]:
+    """
+    The row layouts of TorchRec's a table may take (``kinds``: the row
+    sharding types allowed), as column blocks over ranks: table-row-wise
+    over one host, row-wise over the group, a grid of ``k`` column blocks
+    over ``k`` hosts; on the hosts holding none of the table first (where
+    it lands only changes which ranks the moves balance).
+    """
+    world = list(range(world_size))
+    out: List[Blocks] = []
+
+    counts: Dict[int, List[int]] = {}  # ranks -> their blocks' rows
+
+    def spread(
+        first: int, width: int, ranks: Sequence[int]
+    ) -> Tuple[Tuple[int, int], List[Tuple[int, int]]]:
+        n = len(ranks)
+        if n not in counts:
+            counts[n] = [count for _, count in row_blocks(rows, n)]
+        return (first, width), list(zip(ranks, counts[n]))
+
+    hosts: List[List[int]] = []
+    if 1 < local_world_size < world_size and world_size % local_world_size == 0:
+        held = set(holders)
+        hosts = sorted(
+            host_ranks(world_size, local_world_size),
+            key=lambda ranks: (not held.isdisjoint(ranks), ranks[0]),
+        )
+    if hosts and ShardingType.TABLE_ROW_WISE.value in kinds:
+        out.append([spread(0, cols, hosts[0])])
+    if ShardingType.ROW_WISE.value in kinds:
+        out.append([spread(0, cols, world)])
+    if hosts and ShardingType.GRID_SHARD.value in kinds:
+        for k in grid_blocks(cols, len(hosts)):
+            width = cols // k
+            out.append([spread(c * width, width, hosts[c]) for c in range(k)])
+    return out
+
+
+def row_options(
+    layout: TableLayout,
+    shards_now: int,
+    ids: float,
+    samples: float,
+    costs: RowCosts,
+    world_size: int,
+    local_world_size: int,
+    kinds: Sequence[str],
+    holders: Sequence[int],
+    price: Optional[ExchangePrice],
+) -> List[LayoutOption]:
+    """
+    A table whole or in column shards spanning every row (``layout``, its
+    ``shards_now`` shards on ``holders``) spread by rows, each layout of
+    ``row_layouts``.
+
+    Args:
+        layout (TableLayout): its layout now.
+        shards_now (int): its shards now.
+        ids (float): its ids per step over all ranks.
+        samples (float): its samples per step over all ranks.
+        costs (RowCosts): what its row blocks cost.
+        world_size (int): ranks of the group.
+        local_world_size (int): ranks per host.
+        kinds (Sequence[str]): the row sharding types allowed.
+        holders (Sequence[int]): the ranks holding its shards now.
+        price (Optional[ExchangePrice]): the exchange's figures (None or
+            unpriced: kernels only).
+
+    Returns:
+        List[LayoutOption]: one per layout.
+    """
+    rows, cols = layout.rows, layout.cols
+    kernel_now = costs.ids * (cols + shards_now * costs.lookup_columns)
+    priced = price is not None and price.priced
+    out: List[LayoutOption] = []
+    for blocks in row_layouts(cols, rows, world_size, local_world_size, kinds, holders):
+        exchange: Dict[int, float] = {}
+        others = 0.0
+        if priced:
+            assert price is not None
+            exchange, others = row_split_seconds(
+                layout, blocks, world_size, ids, samples, price
+            )
+        kernel = 0.0
+        peak = 0.0
+        for (_, width), shards in blocks:
+            block_cost: Dict[int, float] = {}  # rows -> the block's cost
+            for rank, count in shards:
+                block = block_cost.get(count)
+                if block is None:
+                    block = block_cost[count] = costs.block(count / rows, width)
+                kernel += block
+                peak = max(peak, block + exchange.get(rank, others))
+        added = kernel - kernel_now + sum(exchange.values())
+        added += others * (world_size - len(exchange))
+        out.append(LayoutOption(peak, added, True))
+    return out
+
+
+def split_level(
+    total: float, world_size: int, options: Mapping[int, Sequence[LayoutOption]]
+) -> SplitLevel:
+    """
+    The least ``X`` at which every table of ``options`` has a layout whose
+    busiest rank is at most ``X`` and the mean rank, each table in its
+    cheapest such layout, is at most ``X``.
+
+    Args:
+        total (float): the seconds of all ranks together now (the tables
+            of ``options`` in their layouts now).
+        world_size (int): ranks of the group.
+        options (Mapping[int, Sequence[LayoutOption]]): per hot table, the
+            layouts it may take (at least one; its layout now among them,
+            adding nothing).
+
+    Returns:
+        SplitLevel: the level, and the tables whose cheapest layout at it
+        is by rows (ties to the column layout).
+    """
+    # per table, its layouts by peak, and the cheapest among the first i
+    peaks: Dict[int, List[float]] = {}
+    cheapest: Dict[int, List[Tuple[float, bool]]] = {}
+    for t, table in sorted(options.items()):
+        ordered = sorted(table, key=lambda o: (o.peak, o.added, o.by_rows))
+        peaks[t] = [o.peak for o in ordered]
+        best: List[Tuple[float, bool]] = []
+        for o in ordered:
+            here = (o.added, o.by_rows)
+            best.append(here if not best or here < best[-1] else best[-1])
+        cheapest[t] = best
+
+    def choice(t: int, x: float) -> Optional[Tuple[float, bool]]:
+        i = bisect.bisect_right(peaks[t], x)
+        return cheapest[t][i - 1] if i else None
+
+    def feasible(x: float) -> bool:
+        added = 0.0
+        for t in peaks:
+            c = choice(t, x)
+            if c is None:
+                return False
+            added += c[0]
+        return (total + added) / world_size <= x
+
+    # no level is below the mean rank with each table in its cheapest
+    # layout, nor below any table's least busiest rank
+    least = total + sum(c[-1][0] for c in cheapest.values())
+    low = max([least / max(world_size, 1)] + [p[0] for p in peaks.values()])
+    high = max([low] + [p[-1] for p in peaks.values()])
+    while not feasible(high):  # the mean rank above every busiest rank
+        high = high * 2 if high > 0 else 1.0
+    if feasible(low):
+        high = low
+    else:
+        for _ in range(LEVEL_STEPS):
+            middle = (low + high) / 2
+            if feasible(middle):
+                high = middle
+            else:
+                low = middle
+    chosen = {t: choice(t, high) for t in peaks}
+    return SplitLevel(
+        high, frozenset(t for t, c in chosen.items() if c is not None and c[1])
+    )
