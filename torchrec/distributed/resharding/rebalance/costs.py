@@ -489,19 +489,26 @@ def propose(
         narrowest,
         sum(loads) / max(len(loads), 1),
     )
+    # what a column shard of each table exchanges, once per window: the
+    # level and the column splits both price it
+    columns = _column_exchange(
+        placement, ids, samples, {t.key for t in placement.tables}, exchange_price
+    )
     level: Optional[SplitLevel] = None
-    if allowed and exchange_price is not None and exchange_price.priced:
+    if allowed and columns is not None:
+        assert exchange_price is not None
+        holders = _holder_exchange(
+            placement, where, ids, samples, exchange_price, columns
+        )
         level = _split_level(
             placement,
             allowed,
-            sum(loads)
-            + sum(
-                _every_holder_exchange(placement, where, ids, samples, exchange_price)
-            ),
+            sum(loads) + sum(holders),
             where,
             ids,
             samples,
             row_costs,
+            columns,
             seconds_per_element,
             lookup_columns,
             local_world_size or placement.world_size,
@@ -539,8 +546,14 @@ def propose(
     if splittable and rows is not None:
         splittable = {key for key in splittable if key not in rows.layouts}
     if splittable:
-        column_exchange = _column_exchange(
-            placement, ids, samples, splittable, exchange_price
+        column_exchange = (
+            None
+            if columns is None
+            else {
+                t: c
+                for t, c in columns.items()
+                if placement.tables[t].key in splittable
+            }
         )
         base = (
             _holder_exchange(
@@ -746,25 +759,6 @@ def _moves_holding(
     )
 
 
-def _every_holder_exchange(
-    placement: Placement,
-    where: Sequence[int],
-    ids: Sequence[float],
-    samples: Sequence[float],
-    price: Optional[ExchangePrice],
-) -> List[float]:
-    """
-    ``_holder_exchange`` of every table (none where the exchange is not
-    priced).
-    """
-    if price is None or not price.priced:
-        return [0.0] * placement.world_size
-    keys = {table.key for table in placement.tables}
-    columns = _column_exchange(placement, ids, samples, keys, price)
-    assert columns is not None
-    return _holder_exchange(placement, where, ids, samples, price, columns)
-
-
 def _split_level(
     placement: Placement,
     hot: Mapping[int, Tuple[str, ...]],
@@ -773,16 +767,18 @@ def _split_level(
     ids: Sequence[float],
     samples: Sequence[float],
     row_costs: Mapping[int, RowCosts],
+    columns: Mapping[int, ColumnShardSeconds],
     seconds_per_element: float,
     lookup_columns: float,
     local_world_size: int,
-    price: Optional[ExchangePrice],
+    price: ExchangePrice,
 ) -> SplitLevel:
     """
     ``split_level`` of the ``hot`` tables (by index, with the row sharding
     types allowed), each whole or in column shards now (at ``where``), in
-    every column and row layout it may take, ``total`` the seconds of all
-    ranks together now.
+    every column and row layout it may take (``columns``: per table, what
+    a column shard of it exchanges), ``total`` the seconds of all ranks
+    together now.
     """
     shards: Dict[int, List[int]] = {t: [] for t in hot}
     for unit, rank in zip(placement.units, where):
@@ -796,11 +792,10 @@ def _split_level(
             layout.cols,
             len(shards[t]),
             ids[t],
-            samples[t],
             world_size,
             seconds_per_element,
             lookup_columns,
-            price,
+            columns[t],
         ) + row_options(
             layout,
             len(shards[t]),

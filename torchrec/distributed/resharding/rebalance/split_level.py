@@ -42,7 +42,7 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
     Blocks,
-    column_shard_seconds,
+    ColumnShardSeconds,
     ExchangePrice,
     row_split_seconds,
 )
@@ -98,11 +98,10 @@ def column_options(
     cols: int,
     shards_now: int,
     ids: float,
-    samples: float,
     world_size: int,
     seconds_per_element: float,
     lookup_columns: float,
-    price: Optional[ExchangePrice],
+    column: Optional[ColumnShardSeconds],
 ) -> List[LayoutOption]:
     """
     A table of ``cols`` columns in ``shards_now`` column shards spanning
@@ -113,28 +112,26 @@ def column_options(
         cols (int): its columns.
         shards_now (int): its column shards now (1: whole).
         ids (float): its ids per step over all ranks.
-        samples (float): its samples per step over all ranks.
         world_size (int): ranks of the group.
         seconds_per_element (float): the calibrated slope.
         lookup_columns (float): a shard's fixed cost per id, in columns.
-        price (Optional[ExchangePrice]): the exchange's figures (None or
-            unpriced: kernels only).
+        column (Optional[ColumnShardSeconds]): what a column shard of it
+            exchanges (``column_shard_seconds``; None: kernels only).
 
     Returns:
         List[LayoutOption]: one per distinct widest shard.
     """
     per_id = ids * seconds_per_element
-    shard = column = everyone = 0.0
-    if price is not None and price.priced:
-        seconds = column_shard_seconds(world_size, ids, samples, price)
-        shard, column = seconds.shard, seconds.column
-        everyone = seconds.everyone * world_size
+    shard = per_column = everyone = 0.0
+    if column is not None:
+        shard, per_column = column.shard, column.column
+        everyone = column.everyone * world_size
 
     def total(k: int) -> float:
         return (
             per_id * (cols + k * lookup_columns)
             + k * (shard + everyone)
-            + (column * cols)
+            + (per_column * cols)
         )
 
     now = total(shards_now)
@@ -146,7 +143,7 @@ def column_options(
             continue
         widths.add(width)
         count = -(-cols // width)
-        peak = per_id * (width + lookup_columns) + shard + column * width
+        peak = per_id * (width + lookup_columns) + shard + per_column * width
         out.append(LayoutOption(peak, total(count) - now, False))
     return out
 

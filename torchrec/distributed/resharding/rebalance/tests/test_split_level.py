@@ -21,6 +21,7 @@ from typing import Dict, List, Tuple
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
+    column_shard_seconds,
     ExchangePrice,
     ROW_COLLECTIVES,
     table_exchange,
@@ -130,7 +131,13 @@ class LayoutPriceTest(unittest.TestCase):
         whole = _column_wise(rows, cols, 1)
         before = sum(_exchange_seconds(whole, w, ids, self.SAMPLES))
         options = column_options(
-            cols, 1, ids, self.SAMPLES, w, self.SLOPE, self.LOOKUP, PRICE
+            cols,
+            1,
+            ids,
+            w,
+            self.SLOPE,
+            self.LOOKUP,
+            column_shard_seconds(w, ids, self.SAMPLES, PRICE),
         )
         by_width = {}
         for count in (1, 2, 4, 8):
