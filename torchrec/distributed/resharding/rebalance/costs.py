@@ -316,15 +316,36 @@ def calibrate(
     mean_y = sum(kernel_seconds) / n
     spread = (max(elements) - min(elements)) / mean_x
     if n >= 2 and spread >= SPREAD_FOR_INTERCEPT:
-        sxx = sum((x - mean_x) ** 2 for x in elements)
-        sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(elements, kernel_seconds))
-        slope = sxy / sxx
-        intercept = mean_y - slope * mean_x
-        # a fixed part between zero and the least loaded rank's seconds
-        # (rounding aside): the ranks' kernel seconds fit the model
-        if slope > 0 and -1e-12 <= intercept <= min(kernel_seconds) * (1 + 1e-9):
+        slope = _bounded_fit(kernel_seconds, elements, mean_x, mean_y)
+        if slope > 0:
             return slope
     return mean_y / mean_x
+
+
+def _bounded_fit(
+    kernel_seconds: Sequence[float],
+    elements: Sequence[float],
+    mean_x: float,
+    mean_y: float,
+) -> float:
+    """
+    The least-squares slope of ``kernel_seconds`` on ``elements`` with a
+    fixed part between zero and the least loaded rank's seconds.
+
+    Where the unbounded fit's fixed part falls outside those bounds (noise
+    lifts it above an idle rank's seconds), the bounded optimum has it on
+    the nearer bound: the slope is then fitted with that fixed part.
+    """
+    sxx = sum((x - mean_x) ** 2 for x in elements)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(elements, kernel_seconds))
+    slope = sxy / sxx
+    intercept = mean_y - slope * mean_x
+    fixed = min(max(intercept, 0.0), min(kernel_seconds))
+    if fixed == intercept:
+        return slope
+    return sum(x * (y - fixed) for x, y in zip(elements, kernel_seconds)) / sum(
+        x * x for x in elements
+    )
 
 
 def unit_costs(
