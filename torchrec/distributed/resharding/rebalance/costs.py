@@ -56,8 +56,11 @@ from torchrec.distributed.resharding.fields import table_key
 from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
     column_shard_seconds,
+    COLUMN_SHARDING_COLLECTIVES,
     ColumnShardSeconds,
     ExchangePrice,
+    row_blocks_spread,
+    ROW_COLLECTIVES,
     table_exchange,
 )
 from torchrec.distributed.resharding.rebalance.placement import (
@@ -90,6 +93,7 @@ from torchrec.distributed.resharding.rebalance.splits import (
     SplitResult,
 )
 from torchrec.distributed.resharding.rebalance.statistics import LoadStatistics
+from torchrec.distributed.types import ShardingType
 
 # Ranks' elements must spread this much (relative to their mean) for a fit
 # with a fixed part; below it the slope goes through the origin.
@@ -120,21 +124,28 @@ class StepPrediction:
         modelled_saving (Optional[float]): seconds per step the calibrated
             costs alone save (the slope times the cut of the busiest rank's
             elements); the prediction never saves more.
+        measured_exchange (Tuple[float, ...]): where the exchange is priced,
+            per rank, its modelled exchange seconds per step before (above
+            what every rank exchanges; empty: not priced).
+        predicted_exchange (Tuple[float, ...]): the same after the move.
     """
 
     measured_step: float
     measured_kernels: Tuple[float, ...]
     predicted_kernels: Tuple[float, ...]
     modelled_saving: Optional[float] = None
+    measured_exchange: Tuple[float, ...] = ()
+    predicted_exchange: Tuple[float, ...] = ()
 
     @property
     def fixed(self) -> float:
         """The part of the step that does not depend on placement."""
-        return max(self.measured_step - max(self.measured_kernels, default=0.0), 0.0)
+        busiest = _busiest(self.measured_kernels, self.measured_exchange)
+        return max(self.measured_step - busiest, 0.0)
 
     @property
     def predicted_step(self) -> float:
-        step = self.fixed + max(self.predicted_kernels, default=0.0)
+        step = self.fixed + _busiest(self.predicted_kernels, self.predicted_exchange)
         if self.modelled_saving is None:
             return step
         return max(step, self.measured_step - self.modelled_saving)
@@ -185,6 +196,13 @@ class Proposal:
             result is not None and bool(result.layouts)
             for result in (self.splits, self.row_splits)
         )
+
+
+def _busiest(kernels: Sequence[float], exchange: Sequence[float]) -> float:
+    """The slowest rank's kernel seconds, plus its exchange where priced."""
+    if not exchange:
+        return max(kernels, default=0.0)
+    return max((k + e for k, e in zip(kernels, exchange)), default=0.0)
 
 
 def table_ids(stats: LoadStatistics, placement: Placement) -> List[float]:
@@ -387,13 +405,20 @@ def predict_step(
     stats: LoadStatistics,
     kernels_after: Sequence[float],
     modelled_saving: Optional[float] = None,
+    exchange_before: Sequence[float] = (),
+    exchange_after: Sequence[float] = (),
 ) -> StepPrediction:
-    """The step time of a window and the one predicted after a move."""
+    """
+    The step time of a window and the one predicted after a move (with the
+    ranks' modelled exchange before and after, where it is priced).
+    """
     return StepPrediction(
         measured_step=stats.step_time,
         measured_kernels=tuple(stats.compute_seconds),
         predicted_kernels=tuple(kernels_after),
         modelled_saving=modelled_saving,
+        measured_exchange=tuple(exchange_before),
+        predicted_exchange=tuple(exchange_after),
     )
 
 
@@ -402,20 +427,21 @@ def modelled_saving(
     after: Sequence[float],
     seconds_per_element: float,
     exchange: Sequence[float] = (),
+    exchange_before: Sequence[float] = (),
 ) -> float:
     """
     The cut of the busiest rank's elements (per rank, before and after), in
-    seconds; with ``exchange`` (per rank, the seconds of communication the
-    change adds), of the busiest rank's elements' and exchange seconds.
+    seconds; with ``exchange`` (per rank, its seconds of communication
+    after; ``exchange_before`` those before, none if empty), of the busiest
+    rank's elements' and exchange seconds.
     """
     if not exchange:
         return seconds_per_element * (
             max(before, default=0.0) - max(after, default=0.0)
         )
-    busiest = max(
-        (seconds_per_element * a + e for a, e in zip(after, exchange)), default=0.0
-    )
-    return seconds_per_element * max(before, default=0.0) - busiest
+    was = _busiest([seconds_per_element * b for b in before], exchange_before)
+    busiest = _busiest([seconds_per_element * a for a in after], exchange)
+    return was - busiest
 
 
 def propose(
@@ -621,14 +647,25 @@ def propose(
     output = row_output_elements(placement, samples)
     before = [b + o for b, o in zip(before, output)]
     after = [a + o for a, o in zip(after, output)]
-    exchange = _sum_exchange(
-        rows.exchange_seconds if rows is not None else (),
-        split.exchange_seconds if split is not None else (),
-    )
-    saving = modelled_saving(before, after, seconds_per_element, exchange)
+    if columns is not None:
+        assert exchange_price is not None
+        prediction = _priced_prediction(
+            stats,
+            placement,
+            layouts,
+            types,
+            (before, after),
+            seconds_per_element,
+            (ids, samples),
+            exchange_price,
+            columns,
+        )
+    else:
+        saving = modelled_saving(before, after, seconds_per_element)
+        prediction = predict_step(stats, loads, saving)
     return Proposal(
         layouts=layouts,
-        prediction=predict_step(stats, loads, saving),
+        prediction=prediction,
         search=result,
         sharding_types=types,
         splits=split,
@@ -691,12 +728,121 @@ def _holder_exchange(
     return out
 
 
-def _sum_exchange(*parts: Sequence[float]) -> Tuple[float, ...]:
-    """Per rank, the sum of the searches' exchange seconds (empty: not priced)."""
-    priced = [p for p in parts if p]
-    if not priced:
-        return ()
-    return tuple(sum(values) for values in zip(*priced))
+def _priced_prediction(
+    stats: LoadStatistics,
+    placement: Placement,
+    layouts: Mapping[str, TableLayout],
+    types: Mapping[str, str],
+    elements: Tuple[Sequence[float], Sequence[float]],
+    seconds_per_element: float,
+    volumes: Tuple[Sequence[float], Sequence[float]],
+    price: ExchangePrice,
+    columns: Mapping[int, ColumnShardSeconds],
+) -> StepPrediction:
+    """
+    The step after ``layouts`` where the exchange is priced: per rank its
+    kernels (the measured seconds moved by the modelled elements, never
+    below zero) plus its whole modelled exchange, before and after. The
+    searches' own loads count only the exchange their steps change (a move
+    carries none), so the slowest rank's exchange before would otherwise
+    pass for a fixed part of the step.
+    """
+    before, after = elements
+    ids, samples = volumes
+    measured = stats.compute_seconds
+    where = [u.rank for u in placement.units]
+    exchange_before = _holder_exchange(placement, where, ids, samples, price, columns)
+    exchange_after = _exchange_after(
+        placement, layouts, types, ids, samples, price, columns, exchange_before
+    )
+    kernels = [
+        max(m + (a - b) * seconds_per_element, 0.0)
+        for m, b, a in zip(measured, before, after)
+    ]
+    saving = modelled_saving(
+        before, after, seconds_per_element, exchange_after, exchange_before
+    )
+    return predict_step(stats, kernels, saving, exchange_before, exchange_after)
+
+
+def _exchange_after(
+    placement: Placement,
+    layouts: Mapping[str, TableLayout],
+    types: Mapping[str, str],
+    ids: Sequence[float],
+    samples: Sequence[float],
+    price: ExchangePrice,
+    columns: Mapping[int, ColumnShardSeconds],
+    before: Sequence[float],
+) -> List[float]:
+    """
+    Per rank, ``before`` (the holders' exchange, ``_holder_exchange``) with
+    the tables of ``layouts`` laid out anew: their holders' seconds
+    swapped, and every rank's change (ids sent to more or fewer shards, a
+    row spread's bucketization and collectives, the column-wise sharding's
+    collectives of a module that gains or loses its only such table).
+    """
+    out = list(before)
+    everyone = 0.0
+    column_wise = ShardingType.COLUMN_WISE.value
+    paths_before = {t.path for t in placement.tables if t.sharding_type == column_wise}
+    paths_after = {
+        t.path
+        for t in placement.tables
+        if types.get(t.key, t.sharding_type) == column_wise
+    }
+    everyone += (
+        (len(paths_after - paths_before) - len(paths_before - paths_after))
+        * COLUMN_SHARDING_COLLECTIVES
+        * price.seconds_per_collective
+    )
+    for t, table in enumerate(placement.tables):
+        layout = layouts.get(table.key)
+        if layout is None:
+            continue
+        column = columns.get(t)
+        for sign, laid in ((-1.0, table.layout), (1.0, layout)):
+            holders, others = _layout_exchange(
+                laid, placement.world_size, ids[t], samples[t], price, column
+            )
+            for rank, seconds in holders.items():
+                out[rank] += sign * seconds
+            everyone += sign * others
+    return [value + everyone for value in out]
+
+
+def _layout_exchange(
+    layout: TableLayout,
+    world_size: int,
+    ids: float,
+    samples: float,
+    price: ExchangePrice,
+    column: Optional[ColumnShardSeconds],
+) -> Tuple[Dict[int, float], float]:
+    """
+    One table's exchange seconds per step as ``layout``: per holder what it
+    exchanges more than a rank holding none (as ``_holder_exchange`` counts
+    it), and what every rank exchanges.
+    """
+    exchange = table_exchange(layout, world_size, ids, samples)
+    per_byte = price.seconds_per_byte
+    holders: Dict[int, float] = {}
+    for shard in layout.shards:
+        if (
+            column is not None
+            and shard.rect.rows == layout.rows
+            and not layout.replicated
+        ):
+            seconds = column.shard + column.column * shard.rect.cols
+        else:
+            seconds = (exchange.of(shard.rank) - exchange.others) * per_byte
+        holders[shard.rank] = holders.get(shard.rank, 0.0) + seconds
+    others = exchange.others * per_byte
+    spread = row_blocks_spread(layout)
+    if spread:
+        others += price.seconds_per_id * ids / world_size * spread
+        others += price.seconds_per_collective * ROW_COLLECTIVES
+    return holders, others
 
 
 def _column_splittable(

@@ -25,7 +25,7 @@ import pickle
 import random
 import unittest
 from dataclasses import replace
-from typing import List, Sequence
+from typing import List, Mapping, Optional, Sequence
 
 from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
@@ -36,6 +36,14 @@ from torchrec.distributed.resharding.rebalance.costs import (
     propose,
     rank_elements,
     table_ids,
+    window_elements,
+)
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    COLUMN_SHARDING_COLLECTIVES,
+    ExchangePrice,
+    row_blocks_spread,
+    ROW_COLLECTIVES,
+    table_exchange,
 )
 from torchrec.distributed.resharding.rebalance.load import LoadStatistics, TableLoad
 from torchrec.distributed.resharding.rebalance.placement import (
@@ -74,13 +82,24 @@ def _true_kernels(placement: Placement, ids: Sequence[float]) -> List[float]:
     return out
 
 
-def _stats(placement: Placement, ids: Sequence[float]) -> LoadStatistics:
+def _stats(
+    placement: Placement,
+    ids: Sequence[float],
+    batch: float = 1.0,
+    price: Optional[ExchangePrice] = None,
+) -> LoadStatistics:
+    """A window's statistics; with ``price``, the step holds the exchange."""
     kernels = _true_kernels(placement, ids)
-    step = DENSE + max(kernels)
+    exchange = (
+        [0.0] * WORLD
+        if price is None
+        else _true_exchange(placement, ids, batch * WORLD, price)
+    )
+    step = DENSE + max(k + e for k, e in zip(kernels, exchange))
     return LoadStatistics(
         steps=10,
         tables=tuple(
-            TableLoad("ebc", f"t{i}", (f"f{i}",), (1.0,), (1.0,), n)
+            TableLoad("ebc", f"t{i}", (f"f{i}",), (n / batch / WORLD,), (batch,), n)
             for i, n in enumerate(ids)
         ),
         compute_seconds=tuple(kernels),
@@ -113,6 +132,55 @@ def _grid_fit(seconds: Sequence[float], elements: Sequence[float]) -> float:
             best = (error, slope)
     assert best is not None
     return best[1]
+
+
+def _true_exchange(
+    placement: Placement,
+    ids: Sequence[float],
+    samples: float,
+    price: ExchangePrice,
+) -> List[float]:
+    """
+    Each rank's exchange seconds per step, summed table by table from the
+    bytes model, with each row spread's and each column-wise module's
+    collectives on every rank.
+    """
+    world = placement.world_size
+    every, out = 0.0, [0.0] * world
+    for table in placement.tables:
+        n = ids[int(table.name[1:])]
+        exchange = table_exchange(table.layout, world, n, samples)
+        every += exchange.others * price.seconds_per_byte
+        for rank, value in exchange.holders.items():
+            out[rank] += (value - exchange.others) * price.seconds_per_byte
+        spread = row_blocks_spread(table.layout)
+        if spread:
+            every += price.seconds_per_id * n / world * spread
+            every += price.seconds_per_collective * ROW_COLLECTIVES
+    column_wise = {t.path for t in placement.tables if t.sharding_type == "column_wise"}
+    every += (
+        len(column_wise) * COLUMN_SHARDING_COLLECTIVES * price.seconds_per_collective
+    )
+    return [every + value for value in out]
+
+
+def _with_types(
+    placement: Placement,
+    layouts: Mapping[str, TableLayout],
+    types: Mapping[str, str],
+) -> Placement:
+    """The placement with some tables' layouts and sharding types replaced."""
+    return placement_from_tables(
+        [
+            replace(
+                t,
+                layout=layouts.get(t.key, t.layout),
+                sharding_type=types.get(t.key, t.sharding_type),
+            )
+            for t in placement.tables
+        ],
+        placement.world_size,
+    )
 
 
 class CostModelTest(unittest.TestCase):
@@ -161,6 +229,46 @@ class CostModelTest(unittest.TestCase):
             got = calibrate(seconds, elements)
             assert got is not None
             self.assertAlmostEqual(got / want, 1.0, delta=2e-3)
+
+    def test_priced_prediction_equals_the_model_after_the_proposal(self) -> None:
+        # the step is the slowest rank's kernels plus its exchange: the
+        # prediction of a priced proposal (moves and column splits) must be
+        # the same model applied to the placement after it
+        batch = 64.0
+        price = ExchangePrice(2e-9, 2e-5, 1e-9)
+        rng = random.Random(5)
+        proposed = 0
+        for _ in range(12):
+            ids = [rng.uniform(5e4, 4e5)] + [rng.uniform(1e3, 4e4) for _ in range(4)]
+            before = _placement([0, 0, 1, 1, 2])
+            stats = _stats(before, ids, batch, price)
+            slope = calibrate(stats.compute_seconds, window_elements(stats, before))
+            assert slope is not None
+            proposal = propose(
+                stats,
+                before,
+                slope,
+                [1e12] * WORLD,
+                splittable={t.key for t in before.tables},
+                exchange_price=price,
+            )
+            if not proposal.layouts:
+                continue
+            proposed += 1
+            after = _with_types(before, proposal.layouts, proposal.sharding_types)
+            truth = [
+                k + e
+                for k, e in zip(
+                    _true_kernels(after, ids),
+                    _true_exchange(after, ids, batch * WORLD, price),
+                )
+            ]
+            self.assertAlmostEqual(
+                proposal.prediction.predicted_step / (DENSE + max(truth)),
+                1.0,
+                delta=1e-6,
+            )
+        self.assertGreater(proposed, 6)
 
     def test_prediction_equals_the_model_after_any_move(self) -> None:
         rng = random.Random(0)
