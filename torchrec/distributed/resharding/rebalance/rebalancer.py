@@ -290,7 +290,6 @@ class Rebalancer:
         self._state: PolicyState = PolicyState()
         self._seconds_per_element: Optional[float] = None
         self._exchange_prices: List[ExchangePrice] = []
-        self._exchange_price: Optional[ExchangePrice] = None
         self._step: int = 0
         self._pending: Optional[RebalanceDecision] = None
         self.history: List[RebalanceDecision] = []
@@ -307,7 +306,9 @@ class Rebalancer:
         median of the calibrations before the first searches that may split
         (one each, ``EXCHANGE_CALIBRATIONS`` in all; None before the first).
         """
-        return self._exchange_price
+        if not self._exchange_prices:
+            return None
+        return median_price(self._exchange_prices)
 
     @property
     def exchange_calibrations(self) -> Tuple[ExchangePrice, ...]:
@@ -386,7 +387,7 @@ class Rebalancer:
         """What this rank decides from, as a float the all-reduce keeps exact."""
         text = (
             f"{view.digest}|{self._state}|{self._seconds_per_element!r}|"
-            f"{self._exchange_price!r}"
+            f"{self.exchange_price!r}"
         )
         return float(text_digest(text + "|" + self._settings) >> 11)
 
@@ -458,11 +459,10 @@ class Rebalancer:
             # every rank, same window
             price = measure_exchange_price(self._pg, self._model.device)
             self._exchange_prices.append(price)
-            self._exchange_price = median_price(self._exchange_prices)
             if self._rank == 0:
                 logger.info(
                     "rebalance: split prices %s (calibration %d: %s)",
-                    self._exchange_price,
+                    self.exchange_price,
                     len(self._exchange_prices),
                     price,
                 )
@@ -478,7 +478,7 @@ class Rebalancer:
             self.policy.shard_lookup_columns(),
             self._row_splittable(view) if split else None,
             self._topology.local_world_size,
-            self._exchange_price,
+            self.exchange_price,
         )
         candidate = search_candidate(
             proposal,

@@ -37,7 +37,10 @@ import unittest
 from typing import Any, List
 
 import pytest
-from torchrec.distributed.resharding.rebalance.exchange_price import ROW_COLLECTIVES
+from torchrec.distributed.resharding.rebalance.exchange_price import (
+    median_price,
+    ROW_COLLECTIVES,
+)
 from torchrec.distributed.resharding.rebalance.placement import module_plan
 from torchrec.distributed.resharding.rebalance.policy import RebalancePolicy
 from torchrec.distributed.resharding.rebalance.rebalancer import Rebalancer
@@ -131,6 +134,9 @@ def _run_row_split(rank: int, world_size: int, port: str) -> None:
         same_everywhere(decision_summary(rebalancer.history))
         same_everywhere(repr(price))
         assert price is not None and price.seconds_per_id > 0, price
+        # the price is the median of the calibrations, figure by figure
+        calibrations = rebalancer.exchange_calibrations
+        assert calibrations and price == median_price(calibrations), calibrations
 
         hot = [d for d in rebalancer.history if d.step == SHIFT_AT + WINDOW][0]
         added = _priced_row_split(_hot_ids_per_step(loads, world_size), price, 2)
