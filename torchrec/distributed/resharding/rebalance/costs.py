@@ -62,6 +62,7 @@ from torchrec.distributed.resharding.rebalance.exchange_price import (
     row_blocks_spread,
     ROW_COLLECTIVES,
     table_exchange,
+    VALUE_BYTES,
 )
 from torchrec.distributed.resharding.rebalance.placement import (
     moved_layouts,
@@ -824,9 +825,22 @@ def _layout_exchange(
     exchanges more than a rank holding none (as ``_holder_exchange`` counts
     it), and what every rank exchanges.
     """
-    exchange = table_exchange(layout, world_size, ids, samples)
     per_byte = price.seconds_per_byte
     holders: Dict[int, float] = {}
+    if (
+        column is not None
+        and not layout.replicated
+        and all(shard.rect.rows == layout.rows for shard in layout.shards)
+    ):
+        # column shards only (most of a window's tables): ``blocks_exchange``
+        # in closed form, every rank sending its ids to each shard and
+        # writing its own samples' output of every column
+        for shard in layout.shards:
+            seconds = column.shard + column.column * shard.rect.cols
+            holders[shard.rank] = holders.get(shard.rank, 0.0) + seconds
+        own_output = 2.0 * samples / world_size * layout.cols * VALUE_BYTES
+        return holders, len(layout.shards) * column.everyone + own_output * per_byte
+    exchange = table_exchange(layout, world_size, ids, samples)
     for shard in layout.shards:
         if (
             column is not None

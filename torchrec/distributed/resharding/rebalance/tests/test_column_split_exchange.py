@@ -30,6 +30,7 @@ from typing import Dict, List, Sequence, Tuple
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import (
     _holder_exchange,
+    _layout_exchange,
     PRICED_SPLITS_LEAST,
     PRICED_SPLITS_PER_RANKS,
     propose,
@@ -353,6 +354,37 @@ class PricedSplitsPerWindowTest(unittest.TestCase):
         self.assertGreater(self._propose(ExchangePrice()), cap)
         # a price too small to change any split: only the cap limits them
         self.assertEqual(self._propose(ExchangePrice(1e-15)), cap)
+
+
+class LayoutExchangeTest(unittest.TestCase):
+    def test_column_layouts_priced_in_closed_form_as_blocks_exchange(self) -> None:
+        # the prediction prices a column layout without building its blocks:
+        # per holder and for every rank, the same seconds as the bytes model
+        rng = random.Random(6)
+        for _ in range(200):
+            world = rng.choice([4, 16, 64, 1024])
+            cols = 4 * rng.randint(1, 32)
+            cuts = sorted(rng.sample(range(4, cols, 4), rng.randint(0, cols // 4 - 1)))
+            edges = [0] + cuts + [cols]
+            ranks = rng.sample(range(world), min(len(edges) - 1, world))
+            shards = tuple(
+                PlacedShard(rank, Rect(0, first, ROWS, last - first))
+                for rank, first, last in zip(ranks, edges, edges[1:])
+            )
+            layout = TableLayout(ROWS, sum(s.rect.cols for s in shards), shards)
+            ids, samples = rng.uniform(1e2, 1e7), rng.uniform(1e2, 1e6)
+            price = ExchangePrice(rng.uniform(1e-11, 1e-9), 3e-5, 1e-10)
+            column = column_shard_seconds(world, ids, samples, price)
+            holders, others = _layout_exchange(
+                layout, world, ids, samples, price, column
+            )
+            want = table_exchange(layout, world, ids, samples)
+            per_byte = price.seconds_per_byte
+            self.assertAlmostEqual(others / (want.others * per_byte), 1.0, delta=1e-9)
+            self.assertEqual(set(holders), set(want.holders))
+            for rank, seconds in holders.items():
+                expected = (want.of(rank) - want.others) * per_byte
+                self.assertAlmostEqual(seconds / expected, 1.0, delta=1e-9)
 
 
 class MedianPriceTest(unittest.TestCase):
