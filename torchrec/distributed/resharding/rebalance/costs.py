@@ -674,6 +674,74 @@ def propose(
     )
 
 
+def predict_placement(
+    stats: LoadStatistics,
+    before: Placement,
+    after: Placement,
+    seconds_per_element: float,
+    lookup_columns: float = 0.0,
+    exchange_price: Optional[ExchangePrice] = None,
+) -> StepPrediction:
+    """
+    The step after ``before`` becomes ``after`` (any layouts and sharding
+    types: a full replan's plan), by the model ``propose`` predicts its own
+    proposals with: per rank the measured kernel seconds moved by the
+    modelled elements (the row-wise shards' pooled output included) and,
+    where the exchange is priced, plus each rank's whole modelled exchange
+    before and after. A candidate from any source is so judged on the same
+    model.
+
+    Args:
+        stats (LoadStatistics): the window (identical on every rank).
+        before (Placement): the current placement.
+        after (Placement): the candidate's placement (the same tables).
+        seconds_per_element (float): the calibrated slope.
+        lookup_columns (float): a shard's fixed cost per id, in columns.
+        exchange_price (Optional[ExchangePrice]): the measured figures that
+            price the exchange (None: not priced; the slowest rank's
+            exchange then counts as a fixed part of the step).
+
+    Returns:
+        StepPrediction: the step time before and after.
+    """
+    elements = (
+        window_elements(stats, before, lookup_columns),
+        window_elements(stats, after, lookup_columns),
+    )
+    ids = table_ids(stats, before)
+    samples = table_samples(stats, before)
+    columns = _column_exchange(
+        before, ids, samples, {t.key for t in before.tables}, exchange_price
+    )
+    if columns is None:
+        old, new = elements
+        kernels = [
+            max(m + (n - o) * seconds_per_element, 0.0)
+            for m, o, n in zip(stats.compute_seconds, old, new)
+        ]
+        return predict_step(
+            stats, kernels, modelled_saving(old, new, seconds_per_element)
+        )
+    assert exchange_price is not None
+    was = {t.key: t for t in before.tables}
+    changed = [
+        t
+        for t in after.tables
+        if t.layout != was[t.key].layout or t.sharding_type != was[t.key].sharding_type
+    ]
+    return _priced_prediction(
+        stats,
+        before,
+        {t.key: t.layout for t in changed},
+        {t.key: t.sharding_type for t in changed},
+        elements,
+        seconds_per_element,
+        (ids, samples),
+        exchange_price,
+        columns,
+    )
+
+
 def _column_exchange(
     placement: Placement,
     ids: Sequence[float],

@@ -46,7 +46,7 @@ fall.
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -77,13 +77,9 @@ from torchrec.distributed.resharding.rebalance.candidates import (
 )
 from torchrec.distributed.resharding.rebalance.costs import (
     calibrate,
-    modelled_saving,
-    predict_step,
-    predicted_kernels,
+    predict_placement,
     propose,
-    rank_elements,
     StepPrediction,
-    table_ids,
     window_elements,
 )
 from torchrec.distributed.resharding.rebalance.decisions import (  # noqa: F401
@@ -421,13 +417,12 @@ class Rebalancer:
                 "the ranks decide from different plans, policy states or settings",
                 decision,
             )
-        ids = table_ids(stats, view.placement)
         lookup = self.policy.shard_lookup_columns()
         elements = window_elements(stats, view.placement, lookup)
         slope = calibrate(stats.compute_seconds, elements, self._seconds_per_element)
         self._seconds_per_element = slope
         if stats.extra[0][1] > 0:  # group rank 0's full replan is ready
-            return self._take_replan(stats, view, ids, slope, decision)
+            return self._take_replan(stats, view, slope, decision)
         blocked = blocked_reason(self.policy, self._state, self._step)
         if blocked is not None:
             return replace(decision, reason=blocked)
@@ -615,7 +610,6 @@ class Rebalancer:
         self,
         stats: LoadStatistics,
         view: _ModelView,
-        ids: Sequence[float],
         slope: Optional[float],
         decision: RebalanceDecision,
     ) -> RebalanceDecision:
@@ -642,18 +636,13 @@ class Rebalancer:
             return self._replan_done(decision, f"ignored: {why}")
         plan = plan_with_delta(view.plan, delta)
         after = placement_of(plan, view.tables, view.element_bytes, self._world_size)
-        lookup = self.policy.shard_lookup_columns()
-        kernels = predicted_kernels(
-            stats.compute_seconds, view.placement, after, ids, slope, lookup
-        )
-        prediction = predict_step(
+        prediction = predict_placement(
             stats,
-            kernels,
-            modelled_saving(
-                rank_elements(view.placement.units, ids, self._world_size, lookup),
-                rank_elements(after.units, ids, self._world_size, lookup),
-                slope,
-            ),
+            view.placement,
+            after,
+            slope,
+            self.policy.shard_lookup_columns(),
+            self.exchange_price,
         )
         candidate = Candidate(
             source=FULL_REPLAN,

@@ -31,6 +31,7 @@ from torchrec.distributed.resharding.fields import TableKey
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.costs import (
     calibrate,
+    predict_placement,
     predict_step,
     predicted_kernels,
     propose,
@@ -183,6 +184,25 @@ def _with_types(
     )
 
 
+def _random_columns(rng: random.Random, tables: int) -> Placement:
+    """Tables in 1, 2 or 4 column shards of equal width on random ranks."""
+    layouts, types = {}, {}
+    placement = _placement([0] * tables)
+    for table in placement.tables:
+        k = rng.choice((1, 2, 4))
+        width = DIM // k
+        layouts[table.key] = TableLayout(
+            ROWS,
+            DIM,
+            tuple(
+                PlacedShard(rng.randrange(WORLD), Rect(0, i * width, ROWS, width))
+                for i in range(k)
+            ),
+        )
+        types[table.key] = "column_wise" if k > 1 else "table_wise"
+    return _with_types(placement, layouts, types)
+
+
 class CostModelTest(unittest.TestCase):
     def test_calibration(self) -> None:
         # spread elements: the slope without the fixed part
@@ -267,6 +287,68 @@ class CostModelTest(unittest.TestCase):
                 proposal.prediction.predicted_step / (DENSE + max(truth)),
                 1.0,
                 delta=1e-6,
+            )
+        self.assertGreater(proposed, 6)
+
+    def test_any_placements_prediction_is_the_model_of_it(self) -> None:
+        # a full replan's plan is judged on the model the search predicts
+        # with: for any placement after (tables moved, split or merged by
+        # columns), the predicted step is the model's step of that placement,
+        # with the exchange priced and without
+        batch = 64.0
+        rng = random.Random(11)
+        for priced in (False, True):
+            price = ExchangePrice(2e-9, 2e-5, 1e-9) if priced else None
+            for _ in range(20):
+                ids = [rng.uniform(1e3, 4e5) for _ in range(6)]
+                before, after = _random_columns(rng, 6), _random_columns(rng, 6)
+                stats = _stats(before, ids, batch, price)
+                slope = calibrate(stats.compute_seconds, window_elements(stats, before))
+                assert slope is not None
+                prediction = predict_placement(stats, before, after, slope, 0.0, price)
+                exchange = (
+                    [0.0] * WORLD
+                    if price is None
+                    else _true_exchange(after, ids, batch * WORLD, price)
+                )
+                truth = [k + e for k, e in zip(_true_kernels(after, ids), exchange)]
+                self.assertAlmostEqual(
+                    prediction.predicted_step / (DENSE + max(truth)), 1.0, delta=1e-6
+                )
+
+    def test_a_proposal_is_predicted_as_its_placement(self) -> None:
+        # the search's own prediction and that of its proposal's placement
+        # judged as any candidate's are the same
+        batch = 64.0
+        price = ExchangePrice(2e-9, 2e-5, 1e-9)
+        rng = random.Random(7)
+        proposed = 0
+        for _ in range(12):
+            ids = [rng.uniform(5e4, 4e5)] + [rng.uniform(1e3, 4e4) for _ in range(4)]
+            before = _placement([0, 0, 1, 1, 2])
+            stats = _stats(before, ids, batch, price)
+            slope = calibrate(stats.compute_seconds, window_elements(stats, before))
+            assert slope is not None
+            proposal = propose(
+                stats,
+                before,
+                slope,
+                [1e12] * WORLD,
+                splittable={t.key for t in before.tables},
+                exchange_price=price,
+            )
+            if not proposal.layouts:
+                continue
+            proposed += 1
+            after = _with_types(before, proposal.layouts, proposal.sharding_types)
+            judged = predict_placement(stats, before, after, slope, 0.0, price)
+            self.assertAlmostEqual(
+                judged.predicted_step / proposal.prediction.predicted_step,
+                1.0,
+                delta=1e-9,
+            )
+            self.assertAlmostEqual(
+                judged.saving, proposal.prediction.saving, delta=1e-12
             )
         self.assertGreater(proposed, 6)
 
