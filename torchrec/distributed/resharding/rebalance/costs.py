@@ -62,6 +62,7 @@ from torchrec.distributed.resharding.rebalance.exchange_price import (
     row_blocks_spread,
     ROW_COLLECTIVES,
     table_exchange,
+    TableExchange,
     VALUE_BYTES,
 )
 from torchrec.distributed.resharding.rebalance.placement import (
@@ -542,16 +543,20 @@ def propose(
     columns = _column_exchange(
         placement, ids, samples, {t.key for t in placement.tables}, exchange_price
     )
+    # and what each shard exchanges more than a rank holding none: the
+    # level, the column splits' base and the prediction all sum it
+    shard_exchange = (
+        None
+        if columns is None or exchange_price is None
+        else _unit_exchange(placement, ids, samples, exchange_price, columns)
+    )
     level: Optional[SplitLevel] = None
-    if allowed and columns is not None:
+    if allowed and columns is not None and shard_exchange is not None:
         assert exchange_price is not None
-        holders = _holder_exchange(
-            placement, where, ids, samples, exchange_price, columns
-        )
         level = _split_level(
             placement,
             allowed,
-            sum(loads) + sum(holders),
+            sum(loads) + sum(shard_exchange),
             where,
             ids,
             samples,
@@ -604,10 +609,8 @@ def propose(
             }
         )
         base = (
-            _holder_exchange(
-                placement, where, ids, samples, exchange_price, column_exchange
-            )
-            if column_exchange is not None and exchange_price is not None
+            _sum_at(shard_exchange, where, placement.world_size)
+            if column_exchange is not None and shard_exchange is not None
             else [0.0] * placement.world_size
         )
         split = search_splits(
@@ -648,7 +651,7 @@ def propose(
     output = row_output_elements(placement, samples)
     before = [b + o for b, o in zip(before, output)]
     after = [a + o for a, o in zip(after, output)]
-    if columns is not None:
+    if columns is not None and shard_exchange is not None:
         assert exchange_price is not None
         prediction = _priced_prediction(
             stats,
@@ -660,6 +663,11 @@ def propose(
             (ids, samples),
             exchange_price,
             columns,
+            _sum_at(
+                shard_exchange,
+                [u.rank for u in placement.units],
+                placement.world_size,
+            ),
         )
     else:
         saving = modelled_saving(before, after, seconds_per_element)
@@ -739,6 +747,14 @@ def predict_placement(
         (ids, samples),
         exchange_price,
         columns,
+        _holder_exchange(
+            before,
+            [u.rank for u in before.units],
+            ids,
+            samples,
+            exchange_price,
+            columns,
+        ),
     )
 
 
@@ -773,27 +789,79 @@ def _holder_exchange(
 ) -> List[float]:
     """
     Per rank, the seconds per step its shards (at ``where``) exchange more
-    than a rank holding none of their tables: for a shard spanning every
-    row, its table's ``columns`` (per shard and per column), else what
-    ``table_exchange`` counts.
+    than a rank holding none of their tables (``_unit_exchange``).
     """
-    out = [0.0] * placement.world_size
-    extra: Dict[int, List[float]] = {}
-    for unit, rank in zip(placement.units, where):
-        column = columns.get(unit.table)
-        if column is not None and unit.share == 1.0:
-            out[rank] += column.shard + column.column * unit.work
+    return _sum_at(
+        _unit_exchange(placement, ids, samples, price, columns),
+        where,
+        placement.world_size,
+    )
+
+
+def _unit_exchange(
+    placement: Placement,
+    ids: Sequence[float],
+    samples: Sequence[float],
+    price: ExchangePrice,
+    columns: Mapping[int, ColumnShardSeconds],
+) -> List[float]:
+    """
+    Per unit of the placement, the seconds per step its holder exchanges
+    more than a rank holding none of its table (``_shard_exchange``).
+    """
+    per_table = [
+        _shard_exchange(
+            table.layout,
+            placement.world_size,
+            ids[t],
+            samples[t],
+            price,
+            columns.get(t),
+        )[0]
+        for t, table in enumerate(placement.tables)
+    ]
+    return [per_table[unit.table][unit.shard] for unit in placement.units]
+
+
+def _shard_exchange(
+    layout: TableLayout,
+    world_size: int,
+    ids: float,
+    samples: float,
+    price: ExchangePrice,
+    column: Optional[ColumnShardSeconds],
+) -> Tuple[List[float], Optional[TableExchange]]:
+    """
+    Per shard of one table's ``layout``, the seconds per step its holder
+    exchanges more than a rank holding none: for a shard spanning every
+    row of a layout not replicated, the table's ``column`` figures (per
+    shard and per column), else what ``table_exchange`` counts; and
+    ``table_exchange``'s result where it was needed (None where not).
+    """
+    exchange: Optional[TableExchange] = None
+    out = []
+    for shard in layout.shards:
+        if (
+            column is not None
+            and shard.rect.rows == layout.rows
+            and not layout.replicated
+        ):
+            out.append(column.shard + column.column * shard.rect.cols)
             continue
-        per_shard = extra.get(unit.table)
-        if per_shard is None:
-            layout = placement.tables[unit.table].layout
-            exchange = table_exchange(
-                layout, placement.world_size, ids[unit.table], samples[unit.table]
-            )
-            per_shard = extra[unit.table] = [
-                exchange.of(s.rank) - exchange.others for s in layout.shards
-            ]
-        out[rank] += per_shard[unit.shard] * price.seconds_per_byte
+        if exchange is None:
+            exchange = table_exchange(layout, world_size, ids, samples)
+        seconds = exchange.of(shard.rank) - exchange.others
+        out.append(seconds * price.seconds_per_byte)
+    return out, exchange
+
+
+def _sum_at(
+    values: Sequence[float], where: Sequence[int], world_size: int
+) -> List[float]:
+    """Per rank, the sum of the ``values`` of the units ``where`` puts on it."""
+    out = [0.0] * world_size
+    for value, rank in zip(values, where):
+        out[rank] += value
     return out
 
 
@@ -807,11 +875,14 @@ def _priced_prediction(
     volumes: Tuple[Sequence[float], Sequence[float]],
     price: ExchangePrice,
     columns: Mapping[int, ColumnShardSeconds],
+    exchange_before: Sequence[float],
 ) -> StepPrediction:
     """
     The step after ``layouts`` where the exchange is priced: per rank its
     kernels (the measured seconds moved by the modelled elements, never
-    below zero) plus its whole modelled exchange, before and after. The
+    below zero) plus its whole modelled exchange, before
+    (``exchange_before``, the holders' as ``_holder_exchange`` sums it)
+    and after. The
     searches' own loads count only the exchange their steps change (a move
     carries none), so the slowest rank's exchange before would otherwise
     pass for a fixed part of the step.
@@ -819,8 +890,6 @@ def _priced_prediction(
     before, after = elements
     ids, samples = volumes
     measured = stats.compute_seconds
-    where = [u.rank for u in placement.units]
-    exchange_before = _holder_exchange(placement, where, ids, samples, price, columns)
     exchange_after = _exchange_after(
         placement, layouts, types, ids, samples, price, columns, exchange_before
     )
@@ -908,17 +977,11 @@ def _layout_exchange(
             holders[shard.rank] = holders.get(shard.rank, 0.0) + seconds
         own_output = 2.0 * samples / world_size * layout.cols * VALUE_BYTES
         return holders, len(layout.shards) * column.everyone + own_output * per_byte
-    exchange = table_exchange(layout, world_size, ids, samples)
-    for shard in layout.shards:
-        if (
-            column is not None
-            and shard.rect.rows == layout.rows
-            and not layout.replicated
-        ):
-            seconds = column.shard + column.column * shard.rect.cols
-        else:
-            seconds = (exchange.of(shard.rank) - exchange.others) * per_byte
-        holders[shard.rank] = holders.get(shard.rank, 0.0) + seconds
+    seconds, exchange = _shard_exchange(layout, world_size, ids, samples, price, column)
+    for shard, value in zip(layout.shards, seconds):
+        holders[shard.rank] = holders.get(shard.rank, 0.0) + value
+    if exchange is None:  # a layout without shards: none priced by figures
+        exchange = table_exchange(layout, world_size, ids, samples)
     others = exchange.others * per_byte
     spread = row_blocks_spread(layout)
     if spread:

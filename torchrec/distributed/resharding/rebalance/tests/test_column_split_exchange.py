@@ -41,6 +41,8 @@ from torchrec.distributed.resharding.rebalance.exchange_price import (
     ColumnShardSeconds,
     ExchangePrice,
     median_price,
+    row_blocks_spread,
+    ROW_COLLECTIVES,
     table_exchange,
 )
 from torchrec.distributed.resharding.rebalance.placement import (
@@ -48,6 +50,7 @@ from torchrec.distributed.resharding.rebalance.placement import (
     placement_from_tables,
     TableInfo,
 )
+from torchrec.distributed.resharding.rebalance.row_splits import row_blocks
 from torchrec.distributed.resharding.rebalance.splits import search_splits, SplitResult
 from torchrec.distributed.test_utils.rebalance_utils import window_statistics
 
@@ -107,6 +110,23 @@ def _handed_on_whole(placement: Placement, layouts: Dict[str, TableLayout]) -> i
             rank = before.get((shard.rect.col, shard.rect.cols))
             count += rank is not None and rank != shard.rank
     return count
+
+
+def _random_layout(rng: random.Random, world: int) -> Tuple[str, TableLayout]:
+    """
+    A sharding type and a layout of ROWS x DIM over distinct ranks: column
+    shards, row-wise blocks, or a grid (column blocks, each row-wise).
+    """
+    kind = rng.choice(["column_wise", "row_wise", "grid_shard"])
+    blocks = 1 if kind == "row_wise" else rng.choice([1, 2, 4])
+    spread = 1 if kind == "column_wise" else rng.randint(2, world // blocks)
+    ranks = iter(rng.sample(range(world), blocks * spread))
+    width = DIM // blocks
+    shards = []
+    for b in range(blocks):
+        for first, rows in row_blocks(ROWS, spread):
+            shards.append(PlacedShard(next(ranks), Rect(first, b * width, rows, width)))
+    return kind, TableLayout(ROWS, DIM, tuple(shards))
 
 
 class PricedSplitTest(unittest.TestCase):
@@ -385,6 +405,50 @@ class LayoutExchangeTest(unittest.TestCase):
             for rank, seconds in holders.items():
                 expected = (want.of(rank) - want.others) * per_byte
                 self.assertAlmostEqual(seconds / expected, 1.0, delta=1e-9)
+
+    def test_every_shard_priced_as_the_bytes_model_in_any_layout(self) -> None:
+        # one rule prices a shard's exchange for the search and the
+        # prediction alike: per rank, over tables of column, row and grid
+        # layouts, the sum is the bytes model's; a row layout's every-rank
+        # part holds its bucketization and collectives
+        rng = random.Random(8)
+        for _ in range(60):
+            world = rng.choice([8, 16])  # a grid of 4 blocks over 2 ranks each
+            price = ExchangePrice(rng.uniform(1e-11, 1e-9), 3e-5, 1e-10)
+            per_byte = price.seconds_per_byte
+            tables = []
+            for i in range(rng.randint(1, 5)):
+                kind, layout = _random_layout(rng, world)
+                tables.append(TableInfo("m", f"t{i}", kind, layout, BYTES))
+            placement = placement_from_tables(tables, world)
+            ids = [rng.uniform(1e2, 1e6) for _ in placement.tables]
+            samples = [rng.uniform(1e2, 1e4) for _ in placement.tables]
+            columns = {
+                t: column_shard_seconds(world, ids[t], samples[t], price)
+                for t in range(len(placement.tables))
+            }
+            where = [u.rank for u in placement.units]
+            got = _holder_exchange(placement, where, ids, samples, price, columns)
+            want = [0.0] * world
+            for t, table in enumerate(placement.tables):
+                model = table_exchange(table.layout, world, ids[t], samples[t])
+                for rank in model.holders:
+                    want[rank] += (model.of(rank) - model.others) * per_byte
+                holders, others = _layout_exchange(
+                    table.layout, world, ids[t], samples[t], price, columns[t]
+                )
+                every = model.others * per_byte
+                spread = row_blocks_spread(table.layout)
+                if spread:
+                    every += price.seconds_per_id * ids[t] / world * spread
+                    every += price.seconds_per_collective * ROW_COLLECTIVES
+                self.assertAlmostEqual(others / every, 1.0, delta=1e-9)
+                self.assertEqual(set(holders), set(model.holders))
+                for rank, seconds in holders.items():
+                    expected = (model.of(rank) - model.others) * per_byte
+                    self.assertAlmostEqual(seconds / expected, 1.0, delta=1e-9)
+            for value, expected in zip(got, want):
+                self.assertAlmostEqual(value, expected, delta=1e-9 * max(want))
 
 
 class MedianPriceTest(unittest.TestCase):
