@@ -190,23 +190,69 @@ def blocks_exchange(
     ``table_exchange`` of a layout given by column block (``Blocks``) of a
     table of ``rows`` rows.
     """
-    w = float(world_size)
-    rows = max(rows, 1)
     held = sum(count for _, shards in blocks for _, count in shards)
-    sent_ids = ids * held / rows / w * id_bytes
-    own_output = sum(2.0 * samples / w * cols * value_bytes for (_, cols), _ in blocks)
-    others = sent_ids + own_output
+    widths = [cols for (_, cols), _ in blocks]
+    others = others_bytes(
+        held, widths, rows, world_size, ids, samples, id_bytes, value_bytes
+    )
     holders: Dict[int, float] = {}
     for (_, cols), shards in blocks:
-        n = float(len(shards))
-        group = 2.0 * samples * (n - 1.0) / n + samples / n * (w - n) / w
-        extra = 2.0 * (group - samples / w) * cols * value_bytes
+        extra = block_output_bytes(len(shards), cols, world_size, samples, value_bytes)
         for rank, count in shards:
-            # it receives the other ranks' ids of its rows instead of
-            # sending its own, and exchanges its block's output as a holder
-            received = ids * count / rows * (w - 2.0) / w * id_bytes
+            received = rows_ids_bytes(count, rows, world_size, ids, id_bytes)
             holders[rank] = holders.get(rank, others) + received + extra
     return TableExchange(holders, others)
+
+
+def others_bytes(
+    held: int,
+    widths: Sequence[int],
+    rows: int,
+    world_size: int,
+    ids: float,
+    samples: float,
+    id_bytes: float = ID_BYTES,
+    value_bytes: float = VALUE_BYTES,
+) -> float:
+    """
+    ``blocks_exchange``'s bytes of a rank holding none of a table whose
+    blocks of ``widths`` columns hold ``held`` rows in all: its ids to
+    every block's rows, and its own samples' output of every column.
+    """
+    w = float(world_size)
+    sent_ids = ids * held / max(rows, 1) / w * id_bytes
+    own_output = sum(2.0 * samples / w * cols * value_bytes for cols in widths)
+    return sent_ids + own_output
+
+
+def block_output_bytes(
+    ranks: int,
+    cols: int,
+    world_size: int,
+    samples: float,
+    value_bytes: float = VALUE_BYTES,
+) -> float:
+    """
+    ``blocks_exchange``'s output bytes a holder of a column block of
+    ``cols`` columns over ``ranks`` ranks exchanges more than a rank
+    holding none: the block's output (and its gradient) as its row group
+    reduces and gathers it.
+    """
+    w, n = float(world_size), float(ranks)
+    group = 2.0 * samples * (n - 1.0) / n + samples / n * (w - n) / w
+    return 2.0 * (group - samples / w) * cols * value_bytes
+
+
+def rows_ids_bytes(
+    count: int, rows: int, world_size: int, ids: float, id_bytes: float = ID_BYTES
+) -> float:
+    """
+    ``blocks_exchange``'s id bytes a holder of ``count`` of a table's
+    ``rows`` rows exchanges more than a rank holding none: it receives the
+    other ranks' ids of its rows instead of sending its own.
+    """
+    w = float(world_size)
+    return ids * count / max(rows, 1) * (w - 2.0) / w * id_bytes
 
 
 def exchange_delta(

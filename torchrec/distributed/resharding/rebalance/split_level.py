@@ -41,15 +41,19 @@ from typing import Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from torchrec.distributed.resharding.plan import TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
-    Blocks,
+    block_output_bytes,
     ColumnShardSeconds,
     ExchangePrice,
-    row_split_seconds,
+    others_bytes,
+    row_blocks_spread,
+    ROW_COLLECTIVES,
+    rows_ids_bytes,
+    table_exchange,
+    TableExchange,
 )
 from torchrec.distributed.resharding.rebalance.row_splits import (
     grid_blocks,
     host_ranks,
-    row_blocks,
     RowCosts,
 )
 from torchrec.distributed.resharding.rebalance.splits import ALIGN
@@ -148,14 +152,18 @@ def column_options(
     return out
 
 
-def row_layouts(
+# A row layout by column block: (first column, columns, the ranks of its
+# row blocks in TorchRec's order).
+RowGroups = List[Tuple[int, int, Sequence[int]]]
+
+
+def row_groups(
     cols: int,
-    rows: int,
     world_size: int,
     local_world_size: int,
     kinds: Sequence[str],
     holders: Sequence[int],
-) -> List[Blocks]:
+) -> List[RowGroups]:
     """
     The row layouts of TorchRec's a table may take (``kinds``: the row
     sharding types allowed), as column blocks over ranks: table-row-wise
@@ -163,19 +171,7 @@ def row_layouts(
     over ``k`` hosts; on the hosts holding none of the table first (where
     it lands only changes which ranks the moves balance).
     """
-    world = list(range(world_size))
-    out: List[Blocks] = []
-
-    counts: Dict[int, List[int]] = {}  # ranks -> their blocks' rows
-
-    def spread(
-        first: int, width: int, ranks: Sequence[int]
-    ) -> Tuple[Tuple[int, int], List[Tuple[int, int]]]:
-        n = len(ranks)
-        if n not in counts:
-            counts[n] = [count for _, count in row_blocks(rows, n)]
-        return (first, width), list(zip(ranks, counts[n]))
-
+    out: List[RowGroups] = []
     hosts: List[List[int]] = []
     if 1 < local_world_size < world_size and world_size % local_world_size == 0:
         held = set(holders)
@@ -184,14 +180,37 @@ def row_layouts(
             key=lambda ranks: (not held.isdisjoint(ranks), ranks[0]),
         )
     if hosts and ShardingType.TABLE_ROW_WISE.value in kinds:
-        out.append([spread(0, cols, hosts[0])])
+        out.append([(0, cols, hosts[0])])
     if ShardingType.ROW_WISE.value in kinds:
-        out.append([spread(0, cols, world)])
+        out.append([(0, cols, range(world_size))])
     if hosts and ShardingType.GRID_SHARD.value in kinds:
         for k in grid_blocks(cols, len(hosts)):
             width = cols // k
-            out.append([spread(c * width, width, hosts[c]) for c in range(k)])
+            out.append([(c * width, width, hosts[c]) for c in range(k)])
     return out
+
+
+def _block_rows(rows: int, ranks: int) -> List[Tuple[int, int]]:
+    """
+    ``row_blocks(rows, ranks)`` as (rows, how many ranks hold that many):
+    the full blocks, the shorter last one, the empty ones after it.
+    """
+    block = -(-rows // ranks)
+    full = rows // block
+    left = rows - full * block
+    out = [(block, full)]
+    if left:
+        out.append((left, 1))
+    empty = ranks - full - (1 if left else 0)
+    if empty:
+        out.append((0, empty))
+    return out
+
+
+def _index_rows(rows: int, ranks: int, index: int) -> int:
+    """The rows of the ``index``-th block of ``row_blocks(rows, ranks)``."""
+    block = -(-rows // ranks)
+    return min(block, max(rows - index * block, 0))
 
 
 def row_options(
@@ -209,7 +228,10 @@ def row_options(
     """
     A table whole or in column shards spanning every row (``layout``, its
     ``shards_now`` shards on ``holders``) spread by rows, each layout of
-    ``row_layouts``.
+    ``row_groups``. Its row blocks come in at most three sizes per column
+    block, so each layout is priced per size (``blocks_exchange`` and
+    ``row_split_seconds`` in closed form), the ranks holding the table now
+    one by one: the cost does not grow with the ranks a layout spans.
 
     Args:
         layout (TableLayout): its layout now.
@@ -227,32 +249,107 @@ def row_options(
     Returns:
         List[LayoutOption]: one per layout.
     """
-    rows, cols = layout.rows, layout.cols
-    kernel_now = costs.ids * (cols + shards_now * costs.lookup_columns)
-    priced = price is not None and price.priced
-    out: List[LayoutOption] = []
-    for blocks in row_layouts(cols, rows, world_size, local_world_size, kinds, holders):
-        exchange: Dict[int, float] = {}
-        others = 0.0
-        if priced:
-            assert price is not None
-            exchange, others = row_split_seconds(
-                layout, blocks, world_size, ids, samples, price
+    kernel_now = costs.ids * (layout.cols + shards_now * costs.lookup_columns)
+    before: Optional[TableExchange] = None
+    if price is not None and price.priced:
+        before = table_exchange(layout, world_size, ids, samples)
+    return [
+        _row_option(
+            layout,
+            groups,
+            (ids, samples),
+            costs,
+            kernel_now,
+            world_size,
+            before,
+            price,
+        )
+        for groups in row_groups(
+            layout.cols, world_size, local_world_size, kinds, holders
+        )
+    ]
+
+
+def _row_option(
+    layout: TableLayout,
+    groups: RowGroups,
+    volumes: Tuple[float, float],
+    costs: RowCosts,
+    kernel_now: float,
+    world_size: int,
+    before: Optional[TableExchange],
+    price: Optional[ExchangePrice],
+) -> LayoutOption:
+    """
+    One row layout's option: its busiest rank (kernel plus the exchange it
+    adds there) and what it adds to all ranks, as ``row_split_seconds``
+    prices each rank (``before``: the table's exchange now; None: kernels
+    only).
+    """
+    rows = layout.rows
+    ids, samples = volumes
+    kernel = 0.0
+    for _, width, ranks in groups:
+        for count, ranks_of_size in _block_rows(rows, len(ranks)):
+            kernel += ranks_of_size * costs.block(count / rows, width)
+    if before is None or price is None:
+        peak = max(
+            0.0,
+            *(
+                costs.block(count / rows, width)
+                for _, width, ranks in groups
+                for count, _ in _block_rows(rows, len(ranks))
+            ),
+        )
+        return LayoutOption(peak, kernel - kernel_now, True)
+    per_byte = price.seconds_per_byte
+    others = others_bytes(
+        rows * len(groups),
+        [width for _, width, _ in groups],
+        rows,
+        world_size,
+        ids,
+        samples,
+    )
+    spread = sum(1 for _, _, ranks in groups if len(ranks) > 1)
+    spread -= row_blocks_spread(layout)
+    fixed = 0.0
+    if spread > 0:
+        fixed = (
+            price.seconds_per_id * ids / world_size * spread
+            + price.seconds_per_collective * ROW_COLLECTIVES
+        )
+    everyone = (others - before.others) * per_byte + fixed
+    old = set(before.holders)
+    peak = 0.0
+    added_bytes = 0.0  # the holders' bytes after over a rank holding none
+    for _, width, ranks in groups:
+        extra = block_output_bytes(len(ranks), width, world_size, samples)
+        kept = [r for r in old if r in ranks]
+        if isinstance(ranks, range):
+            where = {r: r - ranks.start for r in kept}
+        else:
+            where = {r: list(ranks).index(r) for r in kept}
+        for count, ranks_of_size in _block_rows(rows, len(ranks)):
+            holder = others + rows_ids_bytes(count, rows, world_size, ids) + extra
+            added_bytes += ranks_of_size * (holder - others)
+            new = ranks_of_size - sum(
+                1 for r in kept if _index_rows(rows, len(ranks), where[r]) == count
             )
-        kernel = 0.0
-        peak = 0.0
-        for (_, width), shards in blocks:
-            block_cost: Dict[int, float] = {}  # rows -> the block's cost
-            for rank, count in shards:
-                block = block_cost.get(count)
-                if block is None:
-                    block = block_cost[count] = costs.block(count / rows, width)
-                kernel += block
-                peak = max(peak, block + exchange.get(rank, others))
-        added = kernel - kernel_now + sum(exchange.values())
-        added += others * (world_size - len(exchange))
-        out.append(LayoutOption(peak, added, True))
-    return out
+            if new:  # a rank holding none of the table now
+                seconds = (holder - before.others) * per_byte + fixed
+                peak = max(peak, costs.block(count / rows, width) + seconds)
+        for r in kept:
+            count = _index_rows(rows, len(ranks), where[r])
+            holder = others + rows_ids_bytes(count, rows, world_size, ids) + extra
+            seconds = (holder - before.holders[r]) * per_byte + fixed
+            peak = max(peak, costs.block(count / rows, width) + seconds)
+    # every rank's change (``everyone``), and the holders' bytes over that:
+    # after, the new holders' over a rank holding none; before, the old ones'
+    old_bytes = sum(v - before.others for v in before.holders.values())
+    added = kernel - kernel_now + everyone * world_size
+    added += (added_bytes - old_bytes) * per_byte
+    return LayoutOption(peak, added, True)
 
 
 def split_level(

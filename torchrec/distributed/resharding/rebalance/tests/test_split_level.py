@@ -23,10 +23,12 @@ from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
 from torchrec.distributed.resharding.rebalance.exchange_price import (
     column_shard_seconds,
     ExchangePrice,
+    row_blocks_spread,
     ROW_COLLECTIVES,
     table_exchange,
 )
 from torchrec.distributed.resharding.rebalance.row_splits import (
+    grid_blocks,
     grid_layout,
     row_wise_layout,
     RowCosts,
@@ -122,6 +124,40 @@ def _exchange_seconds(
     return [exchange.of(r) * PRICE.seconds_per_byte for r in range(world_size)]
 
 
+def _reference_option(
+    before: TableLayout,
+    after: TableLayout,
+    world_size: int,
+    volumes: Tuple[float, float],
+    costs: RowCosts,
+    kernel_before: float,
+    price: ExchangePrice,
+) -> Tuple[float, float]:
+    """
+    A row layout's busiest rank and what it adds to all ranks, summed rank
+    by rank from each shard's kernel and the bytes model before and after.
+    """
+    ids, samples = volumes
+    old = table_exchange(before, world_size, ids, samples)
+    new = table_exchange(after, world_size, ids, samples)
+    spread = row_blocks_spread(after) - row_blocks_spread(before)
+    fixed = 0.0
+    if spread > 0:
+        fixed = price.seconds_per_id * ids / world_size * spread
+        fixed += price.seconds_per_collective * ROW_COLLECTIVES
+    seconds = [
+        (new.of(r) - old.of(r)) * price.seconds_per_byte + fixed
+        for r in range(world_size)
+    ]
+    kernels: Dict[int, float] = {}
+    for shard in after.shards:
+        kernels[shard.rank] = kernels.get(shard.rank, 0.0) + costs.block(
+            shard.rect.rows / after.rows, shard.rect.cols
+        )
+    busiest = max([0.0] + [k + seconds[r] for r, k in kernels.items()])
+    return busiest, sum(kernels.values()) - kernel_before + sum(seconds)
+
+
 class LayoutPriceTest(unittest.TestCase):
     WORLD, ROWS, COLS, IDS, SAMPLES = 16, 1000, 32, 5e5, 4096.0
     SLOPE, LOOKUP = 2e-10, 3.0
@@ -201,6 +237,73 @@ class LayoutPriceTest(unittest.TestCase):
             busiest = max(k + after[r] - before[r] + fixed for r, k in kernels.items())
             self.assertAlmostEqual(option.added, added, delta=1e-12)
             self.assertAlmostEqual(option.peak, busiest, delta=1e-12)
+
+    def test_any_row_layout_priced_as_the_model_summed_rank_by_rank(self) -> None:
+        # row layouts are priced per block size, the ranks holding the table
+        # now one by one: for random groups, tables (fewer rows than ranks,
+        # rows not a multiple of them) and holders (some inside the new
+        # layout), the same as each rank summed from the bytes model
+        rng = random.Random(3)
+        for case in range(300):
+            local = rng.choice([2, 4, 8])
+            w = local * rng.choice([2, 4, 8, 16])
+            rows = rng.choice([rng.randint(1, w - 1), rng.randint(w, 50 * w)])
+            cols = 4 * rng.randint(1, 16)
+            count = rng.choice([c for c in (1, 2, 4) if cols % (4 * c) == 0])
+            width = cols // count
+            holders = rng.sample(range(w), count)
+            before = TableLayout(
+                rows,
+                cols,
+                tuple(
+                    PlacedShard(r, Rect(0, i * width, rows, width))
+                    for i, r in enumerate(holders)
+                ),
+            )
+            ids, samples = rng.uniform(1e3, 1e7), rng.uniform(1e2, 1e5)
+            costs = RowCosts(ids * self.SLOPE, self.LOOKUP, samples * self.SLOPE)
+            kernel_before = costs.ids * (cols + count * costs.lookup_columns)
+            price = ExchangePrice(rng.uniform(1e-11, 1e-9), 3e-5, 1e-10)
+            options = row_options(
+                before, count, ids, samples, costs, w, local, ROW_TYPES, holders, price
+            )
+            # TorchRec's row layouts on the hosts holding none of it first
+            held = set(holders)
+            hosts = sorted(
+                (list(range(h, h + local)) for h in range(0, w, local)),
+                key=lambda ranks: (not held.isdisjoint(ranks), ranks[0]),
+            )
+            layouts = [row_wise_layout(rows, cols, hosts[0])]
+            layouts.append(row_wise_layout(rows, cols, list(range(w))))
+            for k in grid_blocks(cols, len(hosts)):
+                layouts.append(grid_layout(rows, cols, hosts[:k]))
+            self.assertEqual(len(options), len(layouts), case)
+            for option, after in zip(options, layouts):
+                busiest, added = _reference_option(
+                    before, after, w, (ids, samples), costs, kernel_before, price
+                )
+                self.assertTrue(option.by_rows)
+                self.assertAlmostEqual(
+                    option.peak, busiest, delta=1e-9 * abs(busiest), msg=case
+                )
+                self.assertAlmostEqual(
+                    option.added, added, delta=1e-9 * max(abs(added), busiest), msg=case
+                )
+            unpriced = row_options(
+                before, count, ids, samples, costs, w, local, ROW_TYPES, holders, None
+            )
+            for option, after in zip(unpriced, layouts):
+                kernels = [
+                    costs.block(s.rect.rows / rows, s.rect.cols) for s in after.shards
+                ]
+                self.assertAlmostEqual(
+                    option.peak, max(kernels), delta=1e-12 * max(kernels)
+                )
+                self.assertAlmostEqual(
+                    option.added,
+                    sum(kernels) - kernel_before,
+                    delta=1e-9 * sum(kernels),
+                )
 
 
 if __name__ == "__main__":
