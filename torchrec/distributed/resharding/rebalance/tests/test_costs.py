@@ -253,7 +253,8 @@ class CostModelTest(unittest.TestCase):
     def test_priced_prediction_equals_the_model_after_the_proposal(self) -> None:
         # the step is the slowest rank's kernels plus its exchange: the
         # prediction of a priced proposal (moves and column splits) must be
-        # the same model applied to the placement after it
+        # the same model applied to the placement after it, and the same as
+        # its placement's judged as any candidate's (``predict_placement``)
         batch = 64.0
         price = ExchangePrice(2e-9, 2e-5, 1e-9)
         rng = random.Random(5)
@@ -288,6 +289,15 @@ class CostModelTest(unittest.TestCase):
                 1.0,
                 delta=1e-6,
             )
+            judged = predict_placement(stats, before, after, slope, 0.0, price)
+            self.assertAlmostEqual(
+                judged.predicted_step / proposal.prediction.predicted_step,
+                1.0,
+                delta=1e-9,
+            )
+            self.assertAlmostEqual(
+                judged.saving, proposal.prediction.saving, delta=1e-12
+            )
         self.assertGreater(proposed, 6)
 
     def test_any_placements_prediction_is_the_model_of_it(self) -> None:
@@ -315,42 +325,6 @@ class CostModelTest(unittest.TestCase):
                 self.assertAlmostEqual(
                     prediction.predicted_step / (DENSE + max(truth)), 1.0, delta=1e-6
                 )
-
-    def test_a_proposal_is_predicted_as_its_placement(self) -> None:
-        # the search's own prediction and that of its proposal's placement
-        # judged as any candidate's are the same
-        batch = 64.0
-        price = ExchangePrice(2e-9, 2e-5, 1e-9)
-        rng = random.Random(7)
-        proposed = 0
-        for _ in range(12):
-            ids = [rng.uniform(5e4, 4e5)] + [rng.uniform(1e3, 4e4) for _ in range(4)]
-            before = _placement([0, 0, 1, 1, 2])
-            stats = _stats(before, ids, batch, price)
-            slope = calibrate(stats.compute_seconds, window_elements(stats, before))
-            assert slope is not None
-            proposal = propose(
-                stats,
-                before,
-                slope,
-                [1e12] * WORLD,
-                splittable={t.key for t in before.tables},
-                exchange_price=price,
-            )
-            if not proposal.layouts:
-                continue
-            proposed += 1
-            after = _with_types(before, proposal.layouts, proposal.sharding_types)
-            judged = predict_placement(stats, before, after, slope, 0.0, price)
-            self.assertAlmostEqual(
-                judged.predicted_step / proposal.prediction.predicted_step,
-                1.0,
-                delta=1e-9,
-            )
-            self.assertAlmostEqual(
-                judged.saving, proposal.prediction.saving, delta=1e-12
-            )
-        self.assertGreater(proposed, 6)
 
     def test_prediction_equals_the_model_after_any_move(self) -> None:
         rng = random.Random(0)
