@@ -964,24 +964,17 @@ def _layout_exchange(
     """
     per_byte = price.seconds_per_byte
     holders: Dict[int, float] = {}
-    if (
-        column is not None
-        and not layout.replicated
-        and all(shard.rect.rows == layout.rows for shard in layout.shards)
-    ):
-        # column shards only (most of a window's tables): ``blocks_exchange``
-        # in closed form, every rank sending its ids to each shard and
-        # writing its own samples' output of every column
-        for shard in layout.shards:
-            seconds = column.shard + column.column * shard.rect.cols
-            holders[shard.rank] = holders.get(shard.rank, 0.0) + seconds
-        own_output = 2.0 * samples / world_size * layout.cols * VALUE_BYTES
-        return holders, len(layout.shards) * column.everyone + own_output * per_byte
     seconds, exchange = _shard_exchange(layout, world_size, ids, samples, price, column)
     for shard, value in zip(layout.shards, seconds):
         holders[shard.rank] = holders.get(shard.rank, 0.0) + value
-    if exchange is None:  # a layout without shards: none priced by figures
-        exchange = table_exchange(layout, world_size, ids, samples)
+    if exchange is None:
+        # column shards only (most of a window's tables), each priced by the
+        # table's figures: ``blocks_exchange``'s others in closed form, every
+        # rank sending its ids to each shard and writing its own samples'
+        # output of every column
+        assert column is not None
+        own_output = 2.0 * samples / world_size * layout.cols * VALUE_BYTES
+        return holders, len(layout.shards) * column.everyone + own_output * per_byte
     others = exchange.others * per_byte
     spread = row_blocks_spread(layout)
     if spread:

@@ -365,12 +365,13 @@ def column_shard_seconds(
     ``ColumnShardSeconds`` of a table of ``ids`` ids and ``samples``
     samples per step over ``world_size`` ranks, at ``price``.
     """
-    w = float(world_size)
     per_byte = price.seconds_per_byte
+    # a shard spanning every row: a one-block row group of one rank, its
+    # bytes per shard and per column as ``blocks_exchange`` counts them
     return ColumnShardSeconds(
-        shard=ids * (w - 2.0) / w * ID_BYTES * per_byte,
-        column=2.0 * samples * (w - 2.0) / w * VALUE_BYTES * per_byte,
-        everyone=ids / w * ID_BYTES * per_byte,
+        shard=rows_ids_bytes(1, 1, world_size, ids) * per_byte,
+        column=block_output_bytes(1, 1, world_size, samples) * per_byte,
+        everyone=ids / float(world_size) * ID_BYTES * per_byte,
         sharding=price.seconds_per_collective * COLUMN_SHARDING_COLLECTIVES,
     )
 

@@ -15,6 +15,7 @@ where the slowest rank's kernel plus priced exchange seconds fall, against
 that price computed by hand.
 """
 
+import random
 import unittest
 
 from torchrec.distributed.resharding.plan import PlacedShard, Rect, TableLayout
@@ -143,6 +144,30 @@ class ColumnShardSecondsTest(unittest.TestCase):
         for rank, seconds in expected.items():
             self.assertAlmostEqual(
                 (after.of(rank) - before.of(rank)) * per_byte, seconds
+            )
+
+    def test_figures_are_the_bytes_model_at_any_world(self) -> None:
+        # a table whole on one rank, at random worlds and volumes: its holder
+        # adds one shard and every column's figure over a rank holding none,
+        # and every rank its own ids to the shard and its samples' output
+        rng = random.Random(11)
+        for _ in range(100):
+            world = rng.choice([2, 3, 4, 16, 64, 1024])
+            rank = rng.randrange(world)
+            ids, samples = rng.uniform(1.0, 1e7), rng.uniform(1.0, 1e6)
+            price = ExchangePrice(rng.uniform(1e-11, 1e-8))
+            got = column_shard_seconds(world, ids, samples, price)
+            model = table_exchange(_whole(rank), world, ids, samples)
+            per_byte = price.seconds_per_byte
+            holder = (model.of(rank) - model.others) * per_byte
+            self.assertAlmostEqual(
+                got.shard + DIM * got.column, holder, delta=1e-12 * abs(holder)
+            )
+            own_output = 2 * samples / world * DIM * 4 * per_byte
+            self.assertAlmostEqual(
+                got.everyone + own_output,
+                model.others * per_byte,
+                delta=1e-12 * model.others * per_byte,
             )
 
     def test_no_price_nothing(self) -> None:
