@@ -287,7 +287,6 @@ def _row_option(
     only).
     """
     rows = layout.rows
-    ids, samples = volumes
     kernel = 0.0
     for _, width, ranks in groups:
         for count, ranks_of_size in _block_rows(rows, len(ranks)):
@@ -302,6 +301,33 @@ def _row_option(
             ),
         )
         return LayoutOption(peak, kernel - kernel_now, True)
+    peak, everyone, holders = _priced_row_layout(
+        layout, groups, volumes, costs, world_size, before, price
+    )
+    added = kernel - kernel_now + everyone * world_size
+    added += holders
+    return LayoutOption(peak, added, True)
+
+
+def _priced_row_layout(
+    layout: TableLayout,
+    groups: RowGroups,
+    volumes: Tuple[float, float],
+    costs: RowCosts,
+    world_size: int,
+    before: TableExchange,
+    price: ExchangePrice,
+) -> Tuple[float, float, float]:
+    """
+    A row layout's busiest rank (its block's kernel plus the exchange it
+    adds there, as ``row_split_seconds`` prices each rank: a rank holding
+    the table now against its own bytes before, any other against a rank
+    holding none), the seconds it adds to every rank, and the seconds the
+    holders' bytes add over that (after, the new holders' over a rank
+    holding none; before, the old ones').
+    """
+    rows = layout.rows
+    ids, samples = volumes
     per_byte = price.seconds_per_byte
     others = others_bytes(
         rows * len(groups),
@@ -319,37 +345,28 @@ def _row_option(
             price.seconds_per_id * ids / world_size * spread
             + price.seconds_per_collective * ROW_COLLECTIVES
         )
-    everyone = (others - before.others) * per_byte + fixed
-    old = set(before.holders)
     peak = 0.0
-    added_bytes = 0.0  # the holders' bytes after over a rank holding none
+    added_bytes = 0.0
     for _, width, ranks in groups:
         extra = block_output_bytes(len(ranks), width, world_size, samples)
-        kept = [r for r in old if r in ranks]
-        if isinstance(ranks, range):
-            where = {r: r - ranks.start for r in kept}
-        else:
-            where = {r: list(ranks).index(r) for r in kept}
+        # the rows each rank holding the table now gets
+        kept = {
+            r: _index_rows(rows, len(ranks), ranks.index(r))
+            for r in before.holders
+            if r in ranks
+        }
         for count, ranks_of_size in _block_rows(rows, len(ranks)):
             holder = others + rows_ids_bytes(count, rows, world_size, ids) + extra
             added_bytes += ranks_of_size * (holder - others)
-            new = ranks_of_size - sum(
-                1 for r in kept if _index_rows(rows, len(ranks), where[r]) == count
-            )
-            if new:  # a rank holding none of the table now
-                seconds = (holder - before.others) * per_byte + fixed
-                peak = max(peak, costs.block(count / rows, width) + seconds)
-        for r in kept:
-            count = _index_rows(rows, len(ranks), where[r])
-            holder = others + rows_ids_bytes(count, rows, world_size, ids) + extra
-            seconds = (holder - before.holders[r]) * per_byte + fixed
-            peak = max(peak, costs.block(count / rows, width) + seconds)
-    # every rank's change (``everyone``), and the holders' bytes over that:
-    # after, the new holders' over a rank holding none; before, the old ones'
+            block = costs.block(count / rows, width)
+            now = [before.holders[r] for r, got in kept.items() if got == count]
+            if len(now) < ranks_of_size:  # a rank holding none of the table now
+                now.append(before.others)
+            for bytes_now in now:
+                peak = max(peak, block + (holder - bytes_now) * per_byte + fixed)
     old_bytes = sum(v - before.others for v in before.holders.values())
-    added = kernel - kernel_now + everyone * world_size
-    added += (added_bytes - old_bytes) * per_byte
-    return LayoutOption(peak, added, True)
+    everyone = (others - before.others) * per_byte + fixed
+    return peak, everyone, (added_bytes - old_bytes) * per_byte
 
 
 def split_level(

@@ -242,7 +242,8 @@ class LayoutPriceTest(unittest.TestCase):
         # row layouts are priced per block size, the ranks holding the table
         # now one by one: for random groups, tables (fewer rows than ranks,
         # rows not a multiple of them) and holders (some inside the new
-        # layout), the same as each rank summed from the bytes model
+        # layout, some holding two of its column shards), the same as each
+        # rank summed from the bytes model
         rng = random.Random(3)
         for case in range(300):
             local = rng.choice([2, 4, 8])
@@ -252,6 +253,8 @@ class LayoutPriceTest(unittest.TestCase):
             count = rng.choice([c for c in (1, 2, 4) if cols % (4 * c) == 0])
             width = cols // count
             holders = rng.sample(range(w), count)
+            if count > 1 and rng.random() < 0.3:
+                holders[-1] = holders[0]
             before = TableLayout(
                 rows,
                 cols,
