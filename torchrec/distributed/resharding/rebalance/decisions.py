@@ -13,7 +13,8 @@ on every rank) and how a reshard's prediction met the step time measured
 after it (``ReshardOutcome``).
 """
 
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, replace
 from typing import Optional, Tuple
 
 from torchrec.distributed.types import ShardingPlan
@@ -113,23 +114,61 @@ class RebalanceDecision:
 @dataclass(frozen=True)
 class ReshardOutcome:
     """
-    A reshard's prediction against the step time measured after it.
+    A reshard's prediction against the step time measured after it: in the
+    first window, and as the median of the windows until the policy may
+    reshard again (``settled_step_seconds``), which a transient of a window
+    or two after the reshard (new shards' first steps, a burst on the
+    machine) does not move.
 
     Args:
         step (int): the reshard's step.
         step_seconds_before (float): measured in the window before it.
         predicted_step_seconds (float): predicted for after it.
         measured_step_seconds (float): measured in the first window after it.
+        settling_step_seconds (Tuple[float, ...]): measured in each window
+            after it, until ``min_interval`` steps past it (the first
+            included); what ``with_window`` added.
     """
 
     step: int
     step_seconds_before: float
     predicted_step_seconds: float
     measured_step_seconds: float
+    settling_step_seconds: Tuple[float, ...] = ()
 
     @property
     def error(self) -> float:
-        """Predicted over measured, minus one."""
-        if self.measured_step_seconds <= 0:
-            return 0.0
-        return self.predicted_step_seconds / self.measured_step_seconds - 1.0
+        """Predicted over measured in the first window, minus one."""
+        return _error(self.predicted_step_seconds, self.measured_step_seconds)
+
+    @property
+    def settled_step_seconds(self) -> float:
+        """The median of the windows after it (the first one's, before more)."""
+        if not self.settling_step_seconds:
+            return self.measured_step_seconds
+        return statistics.median(self.settling_step_seconds)
+
+    @property
+    def settled_error(self) -> float:
+        """Predicted over ``settled_step_seconds``, minus one."""
+        return _error(self.predicted_step_seconds, self.settled_step_seconds)
+
+    def with_window(self, step_seconds: float) -> "ReshardOutcome":
+        """
+        The outcome with one more window's step time measured after it.
+
+        Args:
+            step_seconds (float): the window's step time.
+
+        Returns:
+            ReshardOutcome: the same, with it in ``settling_step_seconds``.
+        """
+        return replace(
+            self, settling_step_seconds=self.settling_step_seconds + (step_seconds,)
+        )
+
+
+def _error(predicted: float, measured: float) -> float:
+    if measured <= 0:
+        return 0.0
+    return predicted / measured - 1.0

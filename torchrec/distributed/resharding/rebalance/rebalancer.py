@@ -31,7 +31,9 @@ a later window's all-reduce says its result is ready, and the ranks agree on
 it through the engine's agreement before they consider it. A reshard that
 fails or aborts leaves the model on its old plan and backs the policy off;
 nothing else in the model changes. ``history`` keeps every decision and
-``outcomes`` every reshard's predicted against its measured step time.
+``outcomes`` every reshard's predicted against its measured step time (in
+the first window after it, and the median of the windows until the policy
+may reshard again).
 With ``split_shards``, the first searches also measure, on every rank at the
 same point, what a split adds outside the kernels
 (``measure_exchange_price``: an all-to-all of the group, small and large,
@@ -288,6 +290,8 @@ class Rebalancer:
         self._exchange_prices: List[ExchangePrice] = []
         self._step: int = 0
         self._pending: Optional[RebalanceDecision] = None
+        # the last step whose window the last reshard's outcome settles on
+        self._settling_until: int = -1
         self.history: List[RebalanceDecision] = []
         self.outcomes: List[ReshardOutcome] = []
 
@@ -726,25 +730,46 @@ class Rebalancer:
         return decision
 
     def _note_outcome(self, stats: LoadStatistics) -> None:
+        """
+        The last reshard's outcome: made from the first window after it, then
+        each window until ``min_interval`` steps past it added to its
+        settling windows.
+        """
         pending, self._pending = self._pending, None
-        if pending is None or pending.predicted_step_seconds is None:
+        if pending is not None and pending.predicted_step_seconds is not None:
+            outcome = ReshardOutcome(
+                step=pending.step,
+                step_seconds_before=pending.step_seconds,
+                predicted_step_seconds=pending.predicted_step_seconds,
+                measured_step_seconds=stats.step_time,
+                settling_step_seconds=(stats.step_time,),
+            )
+            self.outcomes.append(outcome)
+            self._settling_until = pending.step + self.policy.min_interval
+            if self._rank == 0:
+                logger.info(
+                    "rebalance: after the reshard at step %d the step takes %.2f ms: "
+                    "predicted %.2f ms (%+.1f%%), before %.2f ms",
+                    outcome.step,
+                    outcome.measured_step_seconds * 1e3,
+                    outcome.predicted_step_seconds * 1e3,
+                    outcome.error * 100,
+                    outcome.step_seconds_before * 1e3,
+                )
             return
-        outcome = ReshardOutcome(
-            step=pending.step,
-            step_seconds_before=pending.step_seconds,
-            predicted_step_seconds=pending.predicted_step_seconds,
-            measured_step_seconds=stats.step_time,
-        )
-        self.outcomes.append(outcome)
-        if self._rank == 0:
+        if not self.outcomes or self._step > self._settling_until:
+            return
+        outcome = self.outcomes[-1].with_window(stats.step_time)
+        self.outcomes[-1] = outcome
+        if self._rank == 0 and self._step + self.policy.window > self._settling_until:
             logger.info(
-                "rebalance: after the reshard at step %d the step takes %.2f ms: "
-                "predicted %.2f ms (%+.1f%%), before %.2f ms",
+                "rebalance: over the %d windows after the reshard at step %d the "
+                "step takes %.2f ms (median): predicted %.2f ms (%+.1f%%)",
+                len(outcome.settling_step_seconds),
                 outcome.step,
-                outcome.measured_step_seconds * 1e3,
+                outcome.settled_step_seconds * 1e3,
                 outcome.predicted_step_seconds * 1e3,
-                outcome.error * 100,
-                outcome.step_seconds_before * 1e3,
+                outcome.settled_error * 100,
             )
 
 

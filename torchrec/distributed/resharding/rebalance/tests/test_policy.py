@@ -19,6 +19,7 @@ and no back-off holds it, and one that led nowhere backs off exponentially.
 
 import unittest
 
+from torchrec.distributed.resharding.rebalance.decisions import ReshardOutcome
 from torchrec.distributed.resharding.rebalance.policy import (
     after_failure,
     after_replan,
@@ -148,6 +149,31 @@ class RebalancePolicyTest(unittest.TestCase):
         self.assertEqual(state.replan_blocked_until, 200 + 50 * 4)
         state = after_replan(policy, after_replan_started(state), 400, True)
         self.assertEqual((state.replan_failures, state.replan_pending), (0, False))
+
+
+class ReshardOutcomeTest(unittest.TestCase):
+    def test_settled_on_the_median_of_the_windows_after(self) -> None:
+        # predicted 80 ms; the first window after measures a transient 100 ms,
+        # the next ones 96, 70, 74 and 70: the first window's error is -20%,
+        # the settled one's (median 74 ms) +8.1%
+        outcome = ReshardOutcome(60, 93.0, 80.0, 100.0, (100.0,))
+        self.assertAlmostEqual(outcome.error, -0.2)
+        self.assertEqual(outcome.settled_step_seconds, 100.0)
+        for seconds in (96.0, 70.0, 74.0, 70.0):
+            outcome = outcome.with_window(seconds)
+        self.assertEqual(outcome.settling_step_seconds, (100.0, 96.0, 70.0, 74.0, 70.0))
+        self.assertEqual(outcome.measured_step_seconds, 100.0)
+        self.assertAlmostEqual(outcome.error, -0.2)
+        self.assertEqual(outcome.settled_step_seconds, 74.0)
+        self.assertAlmostEqual(outcome.settled_error, 80.0 / 74.0 - 1.0)
+        # an even count: the mean of the middle two
+        self.assertEqual(outcome.with_window(72.0).settled_step_seconds, 73.0)
+
+    def test_without_settling_windows_the_first_window(self) -> None:
+        outcome = ReshardOutcome(60, 93.0, 80.0, 100.0)
+        self.assertEqual(outcome.settled_step_seconds, 100.0)
+        self.assertAlmostEqual(outcome.settled_error, -0.2)
+        self.assertEqual(ReshardOutcome(60, 93.0, 80.0, 0.0).settled_error, 0.0)
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def _policy(split_shards: bool) -> RebalancePolicy:
         window=WINDOW,
         min_gain=0.1,
         hysteresis=1,
-        min_interval=WINDOW,
+        min_interval=2 * WINDOW,
         horizon=10**6,
         full_replan=False,
         split_shards=split_shards,
@@ -131,8 +131,21 @@ def _run_split(rank: int, world_size: int, port: str) -> None:
                 f"({predicted / measured - 1:+.0%}); step predicted "
                 f"{first.predicted_step_seconds * 1e3:.1f} ms, measured "
                 f"{after.step_seconds * 1e3:.1f} ms "
-                f"({rebalancer.outcomes[0].error:+.0%})"
+                f"({rebalancer.outcomes[0].error:+.0%}), over two windows "
+                f"{rebalancer.outcomes[0].settled_step_seconds * 1e3:.1f} ms "
+                f"({rebalancer.outcomes[0].settled_error:+.0%})"
             )
+        # its outcome: the step of the first window after it, and of every
+        # window until the policy may reshard again (the decisions' own)
+        settling = tuple(
+            d.step_seconds
+            for d in rebalancer.history
+            if first.step < d.step <= first.step + 2 * WINDOW
+        )
+        outcome = rebalancer.outcomes[0]
+        assert len(settling) == 2, rebalancer.history_table()
+        assert outcome.measured_step_seconds == after.step_seconds, outcome
+        assert outcome.settling_step_seconds == settling, (outcome, settling)
         assert first.step == SHIFT_AT + WINDOW, rebalancer.history_table()
         assert first.source == "search", first
         assert first.predicted_gain >= 0.1, first
